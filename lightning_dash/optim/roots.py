@@ -1,0 +1,243 @@
+"""Batched inverse p-th roots of stacked symmetric positive semi-definite matrices.
+
+Every solver computes ``(S + eps I)^(-1/p)`` for a stack ``S`` of shape
+``(n, b, b)`` and a per-block ``eps`` of shape ``(n,)``, and returns the roots in
+float32 together with a per-block residual where one is available for free.
+
+* ``eigh``: eigendecomposition; reference quality; retries failed blocks in float64.
+* ``coupled_newton``: the coupled Newton iteration of Guo and Higham for p in {2, 4}.
+* ``newton_db``: the coupled Newton-Schulz (product Denman-Beavers) iteration for
+  ``A^(-1/2)``; ``A^(-1/4)`` takes a second pass on the square root.
+* ``chebyshev``: a Chebyshev interpolant of ``x^(-1/p)`` evaluated with Clenshaw's
+  recurrence.
+
+The iterative solvers run a fixed number of batched iterations with a per-block
+convergence test implemented as a mask: converged blocks are frozen with
+``torch.where``, so no iteration waits on the host. Matmuls may run in bfloat16 or
+float16; iterates are kept and accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.scaling import spectral_scale
+
+INVERSE_ROOT_METHODS = ("eigh", "coupled_newton", "newton_db", "chebyshev")
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Residual ``max|I - product|`` under which a block counts as converged, per matmul dtype.
+#: Each is a few units of roundoff of that dtype times the growth seen in practice.
+DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@dataclass(frozen=True)
+class RootResult:
+    """Roots of a stack and, for the Newton solvers, the last per-block residual."""
+
+    root: Tensor
+    residual: Optional[Tensor]
+
+
+@dataclass(frozen=True)
+class RootSettings:
+    """How inverse roots are computed; shared by every stack of one optimizer."""
+
+    method: str = "newton_db"
+    scaling: str = "power_iteration"
+    matmul_dtype: torch.dtype = torch.float32
+    iterations: int = 10
+    chebyshev_degree: int = 40
+    tolerance: Optional[float] = None
+
+    def resolved_tolerance(self) -> float:
+        return DEFAULT_TOLERANCE[self.matmul_dtype] if self.tolerance is None else self.tolerance
+
+
+def _identity_like(matrices: Tensor) -> Tensor:
+    n, size, _ = matrices.shape
+    return torch.eye(size, dtype=matrices.dtype, device=matrices.device).expand(n, size, size)
+
+
+def _bmm(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    """Batched matmul with operands in ``dtype`` and a float32 result."""
+    if dtype == torch.float32:
+        return torch.bmm(left, right)
+    return torch.bmm(left.to(dtype), right.to(dtype)).float()
+
+
+def _symmetrize(matrices: Tensor) -> Tensor:
+    return 0.5 * (matrices + matrices.transpose(1, 2))
+
+
+def _add_diagonal(matrices: Tensor, values: Tensor) -> Tensor:
+    out = matrices.clone()
+    out.diagonal(dim1=1, dim2=2).add_(values.unsqueeze(1))
+    return out
+
+
+def _freeze(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    return torch.where(active[:, None, None], new, old)
+
+
+def _newton_schulz_inverse_sqrt(
+    matrices: Tensor, iterations: int, tolerance: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Coupled Newton-Schulz iteration; returns ``(A^(1/2), A^(-1/2), residual)``.
+
+    Requires the spectrum of every block inside (0, 3); callers scale it into (0, ~1].
+    """
+    identity = _identity_like(matrices)
+    sqrt, inv_sqrt = matrices, identity.clone()
+    active = torch.ones(matrices.shape[0], dtype=torch.bool, device=matrices.device)
+    residual = torch.full((matrices.shape[0],), math.inf, device=matrices.device)
+    for _ in range(iterations):
+        product = _bmm(inv_sqrt, sqrt, dtype)
+        block_residual = (product - identity).abs().amax(dim=(1, 2))
+        residual = torch.where(active, block_residual, residual)
+        active = active & (block_residual > tolerance)
+        correction = 1.5 * identity - 0.5 * product
+        sqrt = _freeze(active, _bmm(sqrt, correction, dtype), sqrt)
+        inv_sqrt = _freeze(active, _bmm(correction, inv_sqrt, dtype), inv_sqrt)
+    return _symmetrize(sqrt), _symmetrize(inv_sqrt), residual
+
+
+def _newton_db(matrices: Tensor, root: int, settings: RootSettings) -> tuple[Tensor, Tensor]:
+    tolerance = settings.resolved_tolerance()
+    sqrt, inv_sqrt, residual = _newton_schulz_inverse_sqrt(
+        matrices, settings.iterations, tolerance, settings.matmul_dtype
+    )
+    if root == 2:
+        return inv_sqrt, residual
+    _, inv_fourth, residual_second = _newton_schulz_inverse_sqrt(
+        sqrt, settings.iterations, tolerance, settings.matmul_dtype
+    )
+    return inv_fourth, torch.maximum(residual, residual_second)
+
+
+def _coupled_newton(matrices: Tensor, root: int, settings: RootSettings) -> tuple[Tensor, Tensor]:
+    """Guo-Higham coupled iteration ``X <- X N, M <- N^p M, N = ((p+1) I - M) / p``.
+
+    Converges to ``A^(-1/p)`` for every eigenvalue of the scaled input in (0, p+1).
+    """
+    dtype, tolerance = settings.matmul_dtype, settings.resolved_tolerance()
+    identity = _identity_like(matrices)
+    inverse_root, product = identity.clone(), matrices
+    active = torch.ones(matrices.shape[0], dtype=torch.bool, device=matrices.device)
+    residual = torch.full((matrices.shape[0],), math.inf, device=matrices.device)
+    for _ in range(settings.iterations):
+        block_residual = (product - identity).abs().amax(dim=(1, 2))
+        residual = torch.where(active, block_residual, residual)
+        active = active & (block_residual > tolerance)
+        step = ((root + 1) * identity - product) / root
+        power = step
+        for _ in range(int(math.log2(root))):
+            power = _bmm(power, power, dtype)
+        inverse_root = _freeze(active, _bmm(inverse_root, step, dtype), inverse_root)
+        product = _freeze(active, _bmm(power, product, dtype), product)
+    return _symmetrize(inverse_root), residual
+
+
+def chebyshev_floor(degree: int, tolerance: float = 1e-3) -> float:
+    """Smallest relative eigenvalue for which a degree-``degree`` interpolant is accurate.
+
+    For ``x^(-1/p)`` on ``[lo, 1]`` the interpolation error decays like
+    ``exp(-2 degree sqrt(lo))``; this returns the ``lo`` where that reaches ``tolerance``.
+    """
+    return (math.log(1.0 / tolerance) / (2.0 * degree)) ** 2
+
+
+def _chebyshev(
+    matrices: Tensor, relative_eps: Tensor, root: int, settings: RootSettings
+) -> Tensor:
+    """Clenshaw evaluation of the Chebyshev interpolant of ``x^(-1/p)`` on ``[low, high]``.
+
+    ``matrices`` has its spectrum in ``[relative_eps, ~1]``. ``low`` is the larger of
+    ``relative_eps`` and :func:`chebyshev_floor`: eigenvalues below it are
+    extrapolated, which stays bounded (about 1.5 ``low^(-1/p)``) and acts as extra
+    damping. Extrapolating above ``high`` grows without bound, so ``high`` covers
+    the scale's uncertainty: 1 for the Frobenius bound, 1.5 for power iteration.
+    """
+    degree, dtype = settings.chebyshev_degree, settings.matmul_dtype
+    low = relative_eps.double().clamp_min(chebyshev_floor(degree))
+    high = 1.0 if settings.scaling == "frobenius" else 1.5
+    nodes = torch.arange(degree + 1, device=matrices.device, dtype=torch.float64)
+    angles = math.pi * (nodes + 0.5) / (degree + 1)
+    mid, half = (high + low) / 2, (high - low) / 2
+    points = mid[:, None] + half[:, None] * torch.cos(angles)[None, :]
+    values = points.pow(-1.0 / root)
+    basis = torch.cos(nodes[:, None] * angles[None, :])
+    coefficients = (2.0 / (degree + 1)) * values @ basis.T
+    coefficients[:, 0] *= 0.5
+    coefficients = coefficients.float()
+
+    identity = _identity_like(matrices)
+    mapped = (matrices - mid.float()[:, None, None] * identity) / half.float()[:, None, None]
+    following = torch.zeros_like(matrices)
+    current = coefficients[:, degree, None, None] * identity
+    for k in range(degree - 1, 0, -1):
+        following, current = current, (
+            2.0 * _bmm(mapped, current, dtype) - following + coefficients[:, k, None, None] * identity
+        )
+    result = _bmm(mapped, current, dtype) - following + coefficients[:, 0, None, None] * identity
+    return _symmetrize(result)
+
+
+def _eigh(statistics: Tensor, eps: Tensor, root: int) -> Tensor:
+    """Exact roots from ``eigh``; eigenvalues are clamped at zero before adding ``eps``.
+
+    A stack whose decomposition raises, or blocks whose roots come out non-finite,
+    are recomputed in float64. This check reads one flag back to the host.
+    """
+
+    def roots_from(matrices: Tensor, block_eps: Tensor) -> Tensor:
+        eigenvalues, eigenvectors = torch.linalg.eigh(matrices)
+        scaled = (eigenvalues.clamp_min(0.0) + block_eps[:, None]).pow(-1.0 / root)
+        return (eigenvectors * scaled.unsqueeze(1)) @ eigenvectors.transpose(1, 2)
+
+    symmetric = _symmetrize(statistics.float())
+    try:
+        result = roots_from(symmetric, eps)
+    except RuntimeError:
+        return roots_from(symmetric.double(), eps.double()).float()
+    bad = ~torch.isfinite(result).all(dim=(1, 2))
+    if bool(bad.any()):
+        retry = roots_from(symmetric[bad].double(), eps[bad].double()).float()
+        result[bad] = retry
+    return result
+
+
+def inverse_root(statistics: Tensor, eps: Tensor, root: int, settings: RootSettings) -> RootResult:
+    """Compute ``(statistics + eps I)^(-1/root)`` for every block of a stack.
+
+    Args:
+        statistics: ``(n, b, b)`` symmetric PSD matrices (float32).
+        eps: ``(n,)`` non-negative damping added to each block's diagonal.
+        root: the root order p (2 or 4 for the Newton solvers; any for eigh/chebyshev).
+        settings: solver, scaling and matmul precision.
+
+    Returns:
+        A :class:`RootResult`; non-finite entries signal a failed block and are
+        left for the caller to reject.
+    """
+    if settings.method == "eigh":
+        return RootResult(_eigh(statistics, eps, root), None)
+    matrices = _add_diagonal(statistics.float(), eps)
+    scale = spectral_scale(matrices, settings.scaling)
+    scaled = matrices / scale[:, None, None]
+    if settings.method == "newton_db":
+        result, residual = _newton_db(scaled, root, settings)
+    elif settings.method == "coupled_newton":
+        result, residual = _coupled_newton(scaled, root, settings)
+    elif settings.method == "chebyshev":
+        result, residual = _chebyshev(scaled, eps / scale, root, settings), None
+    else:
+        raise ValueError(
+            f"inverse_root_method must be one of {INVERSE_ROOT_METHODS}, got {settings.method!r}"
+        )
+    return RootResult(result * scale.pow(-1.0 / root)[:, None, None], residual)

@@ -1,0 +1,127 @@
+"""Batched inverse roots against float64 eigendecompositions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings, chebyshev_floor, inverse_root
+from lightning_dash.optim.scaling import frobenius_scale, power_iteration_scale
+
+
+def spd_stack(n: int, size: int, condition: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random symmetric PSD blocks with eigenvalues log-spaced in [1/condition, 1] * 3."""
+    generator = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(n, size, size, generator=generator, dtype=torch.float64))
+    values = 3.0 * torch.logspace(0, -torch.log10(torch.tensor(condition)).item(), size, dtype=torch.float64)
+    values = values.expand(n, size)
+    return (basis * values.unsqueeze(1)) @ basis.transpose(1, 2), basis, values
+
+
+def reference_root(basis, values, eps, p):
+    return (basis * (values + eps).pow(-1.0 / p).unsqueeze(1)) @ basis.transpose(1, 2)
+
+
+def relative_error(result, reference):
+    return ((result.double() - reference).norm(dim=(1, 2)) / reference.norm(dim=(1, 2))).max().item()
+
+
+# Tolerances: float32 Newton iterations converge to a few ulps times the condition
+# number's fourth root; bf16/fp16 matmuls carry their roundoff (2^-8, 2^-11) times a
+# small growth factor; the Chebyshev interpolant is accurate to ~1e-3 by construction
+# (chebyshev_floor) and the eigensolver to float32 roundoff.
+TOLERANCE = {
+    ("eigh", torch.float32): 1e-5,
+    ("coupled_newton", torch.float32): 1e-4,
+    ("newton_db", torch.float32): 1e-4,
+    ("chebyshev", torch.float32): 2e-3,
+    ("coupled_newton", torch.bfloat16): 3e-2,
+    ("newton_db", torch.bfloat16): 3e-2,
+    ("chebyshev", torch.bfloat16): 3e-2,
+    ("coupled_newton", torch.float16): 5e-3,
+    ("newton_db", torch.float16): 5e-3,
+    ("chebyshev", torch.float16): 5e-3,
+}
+
+
+@pytest.mark.parametrize("method,dtype", sorted(TOLERANCE, key=str))
+@pytest.mark.parametrize("scaling", ["frobenius", "power_iteration"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_root_matches_float64_eigh(method, dtype, scaling, p):
+    stats, basis, values = spd_stack(5, 48, condition=20.0)
+    eps = torch.full((5,), 1e-6, dtype=torch.float64)
+    settings = RootSettings(method=method, scaling=scaling, matmul_dtype=dtype)
+    result = inverse_root(stats.float(), eps.float(), p, settings)
+    assert result.root.dtype == torch.float32
+    assert relative_error(result.root, reference_root(basis, values, 1e-6, p)) < TOLERANCE[(method, dtype)]
+
+
+@pytest.mark.parametrize("method", INVERSE_ROOT_METHODS)
+def test_batched_equals_one_block_at_a_time(method):
+    stats, _, _ = spd_stack(6, 24, condition=50.0, seed=3)
+    stats = stats.float()
+    eps = torch.linspace(1e-6, 1e-3, 6)
+    settings = RootSettings(method=method)
+    batched = inverse_root(stats, eps, 4, settings).root
+    single = torch.cat([inverse_root(stats[i : i + 1], eps[i : i + 1], 4, settings).root for i in range(6)])
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", INVERSE_ROOT_METHODS)
+def test_zero_blocks_give_finite_roots(method):
+    stats = torch.zeros(3, 16, 16)
+    result = inverse_root(stats, torch.full((3,), 1e-12), 4, RootSettings(method=method))
+    assert torch.isfinite(result.root).all()
+    # The exact answer is eps^(-1/4) I; eigh and the Newton solvers reach it.
+    if method != "chebyshev":
+        torch.testing.assert_close(result.root, torch.eye(16).expand(3, 16, 16) * 1e3, rtol=1e-3, atol=0)
+
+
+def test_newton_residual_reports_convergence():
+    stats, _, _ = spd_stack(4, 32, condition=10.0)
+    converged = inverse_root(stats.float(), torch.full((4,), 1e-6), 4, RootSettings(iterations=15))
+    truncated = inverse_root(stats.float(), torch.full((4,), 1e-6), 4, RootSettings(iterations=2))
+    assert converged.residual.max() < 1e-4
+    assert truncated.residual.min() > 1e-2
+
+
+def test_scales_bound_the_largest_eigenvalue():
+    stats, _, values = spd_stack(6, 40, condition=1e3, seed=7)
+    largest = values[:, 0]
+    frobenius = frobenius_scale(stats.float()).double()
+    power = power_iteration_scale(stats.float()).double()
+    assert (frobenius >= largest * (1 - 1e-6)).all()
+    # Power iteration lands within 10% below the largest eigenvalue, then is inflated by 1.1.
+    assert (power >= largest * 0.99).all() and (power <= largest * 1.1 * (1 + 1e-5)).all()
+
+
+def test_power_iteration_ignores_global_random_state():
+    stats, _, _ = spd_stack(3, 32, condition=100.0)
+    torch.manual_seed(1)
+    first = power_iteration_scale(stats.float())
+    torch.manual_seed(2)
+    torch.rand(100)
+    second = power_iteration_scale(stats.float())
+    assert torch.equal(first, second)
+
+
+def test_chebyshev_regularises_below_its_floor():
+    # Eigenvalues far below the interpolation floor are damped, never blown up.
+    stats, basis, values = spd_stack(2, 32, condition=1e6)
+    result = inverse_root(stats.float(), torch.full((2,), 1e-9), 4, RootSettings(method="chebyshev"))
+    eigenvalues = torch.linalg.eigvalsh(result.root.double())
+    floor_value = (chebyshev_floor(40) * values[:, 0].max().item()) ** -0.25
+    assert torch.isfinite(eigenvalues).all()
+    assert eigenvalues.max() < 2.0 * floor_value
+    assert eigenvalues.min() > 0
+
+
+def test_eigh_clamps_rank_deficient_statistics():
+    # Nine zero eigenvalues come out of float32 eigh as +-1e-5 noise; clamping at zero
+    # keeps every damped eigenvalue at least eps (1e-2 here, well above that noise).
+    g = torch.randn(12, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    stats = (g @ g.T).unsqueeze(0)
+    result = inverse_root(stats.float(), torch.tensor([1e-2]), 4, RootSettings(method="eigh"))
+    values, vectors = torch.linalg.eigh(stats[0])
+    expected = (vectors * (values.clamp_min(0) + 1e-2).pow(-0.25)) @ vectors.T
+    torch.testing.assert_close(result.root[0].double(), expected, rtol=1e-3, atol=1e-3)

@@ -11,8 +11,11 @@ float32 together with a per-block residual where one is available for free.
 * ``chebyshev``: a Chebyshev interpolant of ``x^(-1/p)`` evaluated with Clenshaw's
   recurrence.
 
-The iterative solvers run a fixed number of batched iterations with a per-block
-convergence test implemented as a mask: converged blocks are frozen with
+The Newton solvers damp each block by at least :data:`NOISE_FLOOR_UNITS` units of
+roundoff of the matmul dtype relative to its scale (the effective epsilon is
+``max(eps, 8 u s)``), which keeps rank-deficient statistics from diverging. They run
+a fixed number of batched iterations with a per-block convergence test implemented
+as a mask: converged blocks are frozen with
 ``torch.where``, so no iteration waits on the host. Matmuls may run in bfloat16 or
 float16; iterates are kept and accumulated in float32.
 """
@@ -30,6 +33,16 @@ from lightning_dash.optim.scaling import spectral_scale
 
 INVERSE_ROOT_METHODS = ("eigh", "coupled_newton", "newton_db", "chebyshev")
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Unit roundoff of each matmul dtype.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+#: The Newton solvers lift every eigenvalue of the scaled input to at least this many
+#: units of roundoff of the matmul dtype. Each iteration perturbs near-null directions
+#: by about one unit of roundoff and then amplifies them ~2.25x; without the lift a
+#: rank-deficient factor drifts negative and diverges (seen in float32 at 20
+#: iterations, in bfloat16 and float16 at 10). Four units already sufficed in tests.
+NOISE_FLOOR_UNITS = 8.0
 
 #: Residual ``max|I - product|`` under which a block counts as converged, per matmul dtype.
 #: Each is a few units of roundoff of that dtype times the growth seen in practice.
@@ -230,6 +243,9 @@ def inverse_root(statistics: Tensor, eps: Tensor, root: int, settings: RootSetti
     matrices = _add_diagonal(statistics.float(), eps)
     scale = spectral_scale(matrices, settings.scaling)
     scaled = matrices / scale[:, None, None]
+    if settings.method in ("newton_db", "coupled_newton"):
+        floor = NOISE_FLOOR_UNITS * UNIT_ROUNDOFF[settings.matmul_dtype]
+        scaled = _add_diagonal(scaled, (floor - eps / scale).clamp_min(0.0))
     if settings.method == "newton_db":
         result, residual = _newton_db(scaled, root, settings)
     elif settings.method == "coupled_newton":

@@ -1,0 +1,130 @@
+"""Cutting parameters into Shampoo blocks and grouping equal shapes into stacks.
+
+A parameter of two or more dimensions is viewed as a matrix ``(shape[0], rest)``
+and cut into ``block_size`` x ``block_size`` tiles from the top-left; the last
+row and column of tiles hold the remainders. Tiles of one shape that are
+adjacent in a parameter form a *region* (at most four per parameter: the full
+tiles, the right strip, the bottom strip and the corner). All blocks of one
+shape, across every parameter, form a *stack* that is processed as one
+``(n, rows, cols)`` tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """The 2D view used for preconditioning: ``(shape[0], prod(shape[1:]))``."""
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def matrix_view(tensor: Tensor) -> Tensor:
+    """View a tensor of two or more dimensions as its preconditioning matrix."""
+    return tensor.view(matrix_shape(tensor.shape))
+
+
+@dataclass(frozen=True)
+class Region:
+    """A rectangle of equal-shaped tiles inside one parameter's matrix view."""
+
+    param_index: int
+    row_start: int
+    col_start: int
+    tile_rows: int
+    tile_cols: int
+    block_shape: tuple[int, int]
+    stack_offset: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tile_rows * self.tile_cols
+
+    def window(self, matrix: Tensor) -> Tensor:
+        """The region of ``matrix`` viewed as ``(tile_rows, rows, tile_cols, cols)``."""
+        rows, cols = self.block_shape
+        part = matrix[
+            self.row_start : self.row_start + self.tile_rows * rows,
+            self.col_start : self.col_start + self.tile_cols * cols,
+        ]
+        return part.view(self.tile_rows, rows, self.tile_cols, cols)
+
+    def tiles(self, stack: Tensor) -> Tensor:
+        """This region's slice of a stack, viewed as ``(tile_rows, rows, tile_cols, cols)``."""
+        rows, cols = self.block_shape
+        part = stack[self.stack_offset : self.stack_offset + self.num_blocks]
+        return part.view(self.tile_rows, self.tile_cols, rows, cols).permute(0, 2, 1, 3)
+
+
+def _splits(length: int, block_size: int) -> list[tuple[int, int, int]]:
+    """``(start, tile_count, tile_size)`` runs covering ``range(length)``."""
+    full, remainder = divmod(length, block_size)
+    runs = []
+    if full:
+        runs.append((0, full, block_size))
+    if remainder:
+        runs.append((full * block_size, 1, remainder))
+    return runs
+
+
+def param_regions(param_index: int, shape: tuple[int, int], block_size: int) -> list[Region]:
+    """Regions of one parameter's matrix view, in row-major tile order."""
+    rows, cols = shape
+    regions = []
+    for row_start, tile_rows, block_rows in _splits(rows, block_size):
+        for col_start, tile_cols, block_cols in _splits(cols, block_size):
+            regions.append(
+                Region(param_index, row_start, col_start, tile_rows, tile_cols, (block_rows, block_cols))
+            )
+    return regions
+
+
+@dataclass
+class StackPlan:
+    """All regions whose tiles share one block shape, with their offsets in the stack."""
+
+    block_shape: tuple[int, int]
+    regions: list[Region] = field(default_factory=list)
+    num_blocks: int = 0
+
+    def append(self, region: Region) -> Region:
+        placed = Region(**{**region.__dict__, "stack_offset": self.num_blocks})
+        self.regions.append(placed)
+        self.num_blocks += placed.num_blocks
+        return placed
+
+    def subset(self, param_indices: set[int]) -> tuple["StackPlan", list[int]]:
+        """The regions of ``param_indices`` as a compact plan, and their blocks' positions here."""
+        plan, positions = StackPlan(self.block_shape), []
+        for region in self.regions:
+            if region.param_index in param_indices:
+                plan.append(region)
+                positions.extend(range(region.stack_offset, region.stack_offset + region.num_blocks))
+        return plan, positions
+
+    def gather(self, matrices: dict[int, Tensor], out: Tensor | None = None) -> Tensor:
+        """Copy the tiles of ``matrices`` (param index -> matrix view) into one stack."""
+        rows, cols = self.block_shape
+        if out is None:
+            first = next(iter(matrices.values()))
+            out = torch.empty(self.num_blocks, rows, cols, dtype=torch.float32, device=first.device)
+        for region in self.regions:
+            region.tiles(out).copy_(region.window(matrices[region.param_index]))
+        return out
+
+
+def plan_stacks(shapes: dict[int, tuple[int, int]], block_size: int) -> dict[tuple[int, int], StackPlan]:
+    """Group the tiles of every parameter (param index -> matrix shape) by block shape.
+
+    The order is deterministic: parameters in index order, regions in row-major order.
+    """
+    stacks: dict[tuple[int, int], StackPlan] = {}
+    for param_index in sorted(shapes):
+        for region in param_regions(param_index, shapes[param_index], block_size):
+            plan = stacks.setdefault(region.block_shape, StackPlan(region.block_shape))
+            plan.append(region)
+    return stacks

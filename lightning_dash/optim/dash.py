@@ -1,0 +1,620 @@
+"""DASH: Shampoo with every equal-shaped block of every parameter processed as one stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.blocks import StackPlan, matrix_shape, plan_stacks
+from lightning_dash.optim.grafting import graft_norm, grafting_direction, update_second_moment, uses_second_moment
+from lightning_dash.optim.roots import RootSettings, inverse_root
+from lightning_dash.optim.state import (
+    MOMENTUM,
+    SECOND_MOMENT,
+    StackState,
+    export_stack,
+    import_stack,
+)
+from lightning_dash.optim.validation import check_group, check_optimizer_options
+
+PerBlock = Union[float, Tensor]
+
+
+class RootComputationError(RuntimeError):
+    """A block's inverse root failed ``max_consecutive_root_failures`` times in a row."""
+
+
+@dataclass
+class _Stack:
+    """One stack: its plan (which tiles of which parameters) and its state."""
+
+    plan: StackPlan
+    state: StackState
+
+
+@dataclass
+class _VectorGroup:
+    """The one-dimensional parameters of one param group on one device, as flat buffers."""
+
+    group_index: int
+    param_indices: list[int]
+    offsets: list[int]
+    numels: list[int]
+    momentum: Tensor
+    second_moment: Tensor
+
+
+@dataclass
+class _Layout:
+    """Where every parameter's state lives while training."""
+
+    params: list[Tensor]
+    group_of: list[int]
+    names: list[str]
+    steps: list[int]
+    stacks: list[_Stack]
+    vectors: list[_VectorGroup]
+
+
+@dataclass
+class _StackWork:
+    """The blocks of one stack that move in the current step."""
+
+    stack: _Stack
+    plan: StackPlan
+    index: Optional[Tensor]
+    state: StackState
+    momentum: Tensor
+    steps: list[int]
+    groups: list[dict[str, Any]]
+    due: Optional[Tensor]
+    due_regions: list[int]
+
+
+def _per_block(values: list[float], counts: list[int], device: torch.device) -> PerBlock:
+    """One value per region expanded to one per block: a float when all agree."""
+    first = values[0]
+    if all(value == first for value in values):
+        return first
+    expanded = torch.tensor(values, dtype=torch.float32).repeat_interleave(torch.tensor(counts))
+    return expanded.to(device)
+
+
+def _accumulate(factor: Tensor, left: Tensor, right: Tensor, decay: PerBlock) -> None:
+    """``factor <- decay * factor + (1 - decay) * left @ right`` in place."""
+    if isinstance(decay, Tensor):
+        factor.mul_(decay).add_(torch.bmm(left, right).mul_(1.0 - decay))
+    else:
+        factor.baddbmm_(left, right, beta=decay, alpha=1.0 - decay)
+
+
+def _blockwise(value: PerBlock) -> PerBlock:
+    """Shape a per-block vector to broadcast over ``(n, rows, cols)``."""
+    return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
+
+
+class DASH(torch.optim.Optimizer):
+    """Shampoo with batched block processing, batched inverse roots and grafting.
+
+    Each parameter of two or more dimensions is viewed as a matrix, cut into
+    ``block_size`` tiles, and every tile keeps Kronecker factors
+    ``L <- b2 L + (1 - b2) G G^T`` and ``R <- b2 R + (1 - b2) G^T G``. Its update is
+    ``L^(-1/4) M R^(-1/4)`` (M the gradient momentum), rescaled per block to the
+    norm of the grafting optimizer's update. One-dimensional parameters use the
+    grafting optimizer alone (Adam when ``grafting="none"``). All tiles of one shape,
+    from every parameter and group, are updated together by batched matmuls.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr: learning rate.
+        betas: ``(momentum of the gradient, decay of the Kronecker factors)``;
+            a momentum of 0 disables it, a decay of 1.0 accumulates AdaGrad-style sums.
+        epsilon: damping added to the (bias-corrected) factors before the roots.
+        weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
+        block_size: largest tile side; remainders form smaller tiles.
+        precondition_frequency: recompute the roots every this many steps.
+        start_preconditioning_step: first step that uses the Shampoo direction;
+            earlier steps follow the grafting direction.
+        inverse_root_method: "eigh", "coupled_newton", "newton_db" or "chebyshev".
+        matrix_scaling: "frobenius" or "power_iteration" (Newton and Chebyshev solvers).
+        matmul_dtype: float32, bfloat16 or float16 for the solver matmuls.
+        grafting: "adam", "adagrad", "rmsprop", "sgd" or "none" (raw Shampoo direction).
+        grafting_beta2: second-moment decay of Adam/RMSprop grafting.
+        grafting_epsilon: epsilon of the grafting optimizer.
+        nesterov: use a Nesterov-style momentum in the direction.
+        bias_correction: correct momentum, factors and Adam's second moment for their
+            zero initialisation.
+        root_iterations: iterations of the Newton solvers (per pass).
+        chebyshev_degree: degree of the Chebyshev interpolant.
+        max_consecutive_root_failures: raise :class:`RootComputationError` once a
+            block's root has failed this many times in a row (None: never raise).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        block_size: int = 1024,
+        precondition_frequency: int = 10,
+        start_preconditioning_step: int = 1,
+        inverse_root_method: str = "newton_db",
+        matrix_scaling: str = "power_iteration",
+        matmul_dtype: torch.dtype | str = torch.float32,
+        grafting: str = "adam",
+        grafting_beta2: float = 0.95,
+        grafting_epsilon: float = 1e-8,
+        nesterov: bool = False,
+        bias_correction: bool = True,
+        root_iterations: int = 10,
+        chebyshev_degree: int = 40,
+        max_consecutive_root_failures: Optional[int] = 3,
+    ) -> None:
+        options = check_optimizer_options(dict(
+            block_size=block_size,
+            inverse_root_method=inverse_root_method,
+            matrix_scaling=matrix_scaling,
+            matmul_dtype=matmul_dtype,
+            grafting=grafting,
+            nesterov=nesterov,
+            bias_correction=bias_correction,
+            root_iterations=root_iterations,
+            chebyshev_degree=chebyshev_degree,
+            max_consecutive_root_failures=max_consecutive_root_failures,
+        ))
+        self.block_size: int = options["block_size"]
+        self.grafting: str = options["grafting"]
+        self.nesterov: bool = options["nesterov"]
+        self.bias_correction: bool = options["bias_correction"]
+        self.max_consecutive_root_failures: Optional[int] = options["max_consecutive_root_failures"]
+        self.root_settings = RootSettings(
+            method=options["inverse_root_method"],
+            scaling=options["matrix_scaling"],
+            matmul_dtype=options["matmul_dtype"],
+            iterations=options["root_iterations"],
+            chebyshev_degree=options["chebyshev_degree"],
+        )
+        self.root_failure_count = 0
+        self.nonfinite_grad_skips = 0
+        self.last_root_residual: Optional[Tensor] = None
+        self._layout: Optional[_Layout] = None
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            grafting_beta2=grafting_beta2,
+            grafting_epsilon=grafting_epsilon,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (also after training started); its hyperparameters are checked."""
+        self._retire_layout()
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    # ------------------------------------------------------------------ layout
+    def _retire_layout(self) -> None:
+        """Move stacked state back into ``self.state`` so the layout can be rebuilt."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            return
+        for index, entry in self._export(layout).items():
+            self.state[layout.params[index]].update(entry)
+        self._layout = None
+
+    def _param_names(self) -> list[str]:
+        names = []
+        for group_index, group in enumerate(self.param_groups):
+            given = group.get("param_names")
+            for position, param in enumerate(group["params"]):
+                if given is not None:
+                    names.append(str(given[position]))
+                else:
+                    names.append(f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
+        return names
+
+    def _build_layout(self) -> _Layout:
+        params = [p for group in self.param_groups for p in group["params"]]
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        names = self._param_names()
+        saved: dict[int, dict[str, Tensor]] = {}
+        steps = []
+        for index, param in enumerate(params):
+            entry = self.state[param]
+            entry["step"] = torch.as_tensor(entry.get("step", 0.0), dtype=torch.float32, device="cpu")
+            steps.append(int(entry["step"].item()))
+            saved[index] = entry
+        want_momentum = any(group["betas"][0] > 0 for group in self.param_groups)
+        want_second = uses_second_moment(self.grafting)
+
+        stacks: list[_Stack] = []
+        by_device: dict[torch.device, dict[int, tuple[int, int]]] = {}
+        for index, param in enumerate(params):
+            if param.dim() >= 2:
+                by_device.setdefault(param.device, {})[index] = matrix_shape(param.shape)
+        for device, shapes in by_device.items():
+            for plan in plan_stacks(shapes, self.block_size).values():
+                state = StackState.zeros(plan.num_blocks, plan.block_shape, device)
+                if want_momentum:
+                    state.ensure(MOMENTUM)
+                if want_second:
+                    state.ensure(SECOND_MOMENT)
+                import_stack(plan, state, params, self.block_size, saved, names)
+                stacks.append(_Stack(plan, state))
+
+        vectors: list[_VectorGroup] = []
+        for group_index, group in enumerate(self.param_groups):
+            members: dict[torch.device, list[int]] = {}
+            for index, param in enumerate(params):
+                if group_of[index] == group_index and param.dim() < 2:
+                    members.setdefault(param.device, []).append(index)
+            for device, indices in members.items():
+                numels = [params[i].numel() for i in indices]
+                offsets = [sum(numels[:k]) for k in range(len(numels))]
+                total = sum(numels)
+                momentum = torch.zeros(total, device=device)
+                second = torch.zeros(total, device=device)
+                for index, offset, numel in zip(indices, offsets, numels):
+                    for name, flat in ((MOMENTUM, momentum), (SECOND_MOMENT, second)):
+                        if name in saved[index]:
+                            flat[offset : offset + numel].copy_(saved[index][name].reshape(-1))
+                vectors.append(_VectorGroup(group_index, indices, offsets, numels, momentum, second))
+
+        for param in params:
+            step = self.state[param]["step"]
+            self.state[param].clear()
+            self.state[param]["step"] = step
+        return _Layout(params, group_of, names, steps, stacks, vectors)
+
+    def _current_layout(self) -> _Layout:
+        if self._layout is None:
+            self._layout = self._build_layout()
+        return self._layout
+
+    # ------------------------------------------------------------------ state dict
+    def _export(self, layout: _Layout) -> dict[int, dict[str, Tensor]]:
+        out: dict[int, dict[str, Tensor]] = {}
+        for stack in layout.stacks:
+            export_stack(stack.plan, stack.state, layout.params, self.block_size, out)
+        for vector in layout.vectors:
+            for index, offset, numel in zip(vector.param_indices, vector.offsets, vector.numels):
+                shape = layout.params[index].shape
+                out[index] = {
+                    MOMENTUM: vector.momentum[offset : offset + numel].clone().view(shape),
+                    SECOND_MOMENT: vector.second_moment[offset : offset + numel].clone().view(shape),
+                }
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
+
+        Every statistic, root, momentum and step count is a per-parameter copy.
+        """
+        packed = super().state_dict()
+        layout = self._layout
+        if layout is not None:
+            positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for index, entry in self._export(layout).items():
+                key = positions[id(layout.params[index])]
+                packed["state"][key] = {**packed["state"].get(key, {}), **entry}
+        packed["dash"] = {
+            "root_failure_count": self.root_failure_count,
+            "nonfinite_grad_skips": self.nonfinite_grad_skips,
+            "grafting": self.grafting,
+        }
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
+
+        Tensors keep their saved dtype (statistics stay float32 for low-precision
+        parameters); the stacks are rebuilt at the next step.
+        """
+        state_dict = dict(state_dict)
+        saved_state = state_dict.pop("state")
+        extra = state_dict.pop("dash", {})
+        self._layout = None
+        super().load_state_dict({**state_dict, "state": {}})
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.state.clear()
+        for key, entry in saved_state.items():
+            param = params[int(key)]
+            self.state[param] = {
+                name: value.to("cpu") if name == "step" else value.to(param.device)
+                for name, value in entry.items()
+            }
+        self.root_failure_count = int(extra.get("root_failure_count", 0))
+        self.nonfinite_grad_skips = int(extra.get("nonfinite_grad_skips", 0))
+        self.grafting = extra.get("grafting", self.grafting)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step; calls ``closure`` (with gradients enabled) first if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        layout = self._current_layout()
+        active = self._active_params(layout)
+        if not active:
+            return loss
+        for index in active:
+            layout.steps[index] += 1
+        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], 1.0)
+        self._decay_weights(layout, active)
+        for vector in layout.vectors:
+            self._step_vectors(layout, vector, active)
+        works = [work for stack in layout.stacks if (work := self._begin_stack(layout, stack, active))]
+        failures = self._compute_roots(works)
+        for work in works:
+            self._finish_stack(layout, work)
+        if failures:
+            self._check_failures(layout, works, failures)
+        return loss
+
+    def _active_params(self, layout: _Layout) -> set[int]:
+        """Indices of parameters with finite gradients; non-finite ones are skipped and counted."""
+        candidates = [i for i, p in enumerate(layout.params) if p.grad is not None]
+        for index in candidates:
+            if layout.params[index].grad.is_sparse:
+                raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
+        if not candidates:
+            return set()
+        grads = [layout.params[i].grad for i in candidates]
+        device = grads[0].device
+        peaks = torch._foreach_norm(grads, float("inf"))
+        finite = torch.stack([peak.float().to(device) for peak in peaks]).isfinite().tolist()
+        skipped = finite.count(False)
+        self.nonfinite_grad_skips += skipped
+        return {index for index, ok in zip(candidates, finite) if ok}
+
+    def _decay_weights(self, layout: _Layout, active: set[int]) -> None:
+        for group_index, group in enumerate(self.param_groups):
+            factor = 1.0 - group["lr"] * group["weight_decay"]
+            if factor != 1.0:
+                decayed = [p for i, p in enumerate(layout.params) if i in active and layout.group_of[i] == group_index]
+                if decayed:
+                    torch._foreach_mul_(decayed, factor)
+
+    def _momentum_terms(self, steps: list[int], counts: list[int], betas1: list[float],
+                        device: torch.device) -> PerBlock:
+        """``1 - beta1**t`` (``t + 1`` with Nesterov), per block."""
+        if not self.bias_correction:
+            return 1.0
+        shift = 1 if self.nesterov else 0
+        return _per_block([1.0 - b ** (t + shift) for b, t in zip(betas1, steps)], counts, device)
+
+    def _update_momentum(self, momentum: Optional[Tensor], grad: Tensor, beta1: PerBlock) -> Tensor:
+        """Advance the EMA of the gradient and return the momentum the step follows."""
+        if momentum is None:
+            return grad
+        momentum.lerp_(grad, 1.0 - beta1)
+        return grad.lerp(momentum, beta1) if self.nesterov else momentum
+
+    def _step_vectors(self, layout: _Layout, vector: _VectorGroup, active: set[int]) -> None:
+        """Grafting-optimizer step for the one-dimensional parameters of one group."""
+        members = [k for k, index in enumerate(vector.param_indices) if index in active]
+        if not members:
+            return
+        group = self.param_groups[vector.group_index]
+        params = [layout.params[vector.param_indices[k]] for k in members]
+        numels = [vector.numels[k] for k in members]
+        device = vector.momentum.device
+        grad = torch.cat([p.grad.reshape(-1).float() for p in params])
+        if len(members) == len(vector.param_indices):
+            index, momentum, second = None, vector.momentum, vector.second_moment
+        else:
+            index = torch.cat([
+                torch.arange(vector.offsets[k], vector.offsets[k] + vector.numels[k]) for k in members
+            ]).to(device)
+            momentum, second = vector.momentum[index], vector.second_moment[index]
+        steps = [layout.steps[vector.param_indices[k]] for k in members]
+        beta1, _ = group["betas"]
+        kind = "adam" if self.grafting == "none" else self.grafting
+        graft_beta2 = group["grafting_beta2"]
+        if uses_second_moment(kind):
+            update_second_moment(second, grad, kind, graft_beta2)
+        followed = self._update_momentum(momentum if beta1 > 0 else None, grad, beta1)
+        first_term = self._momentum_terms(steps, numels, [beta1] * len(steps), device)
+        second_term = (
+            _per_block([1.0 - graft_beta2**t for t in steps], numels, device) if self.bias_correction else 1.0
+        )
+        direction = grafting_direction(followed / first_term, second, kind, group["grafting_epsilon"], second_term)
+        update = direction.mul_(-group["lr"]).split(numels)
+        torch._foreach_add_(params, [u.view(p.shape) for u, p in zip(update, params)])
+        if index is not None:
+            vector.momentum[index] = momentum
+            vector.second_moment[index] = second
+
+    def _begin_stack(self, layout: _Layout, stack: _Stack, active: set[int]) -> Optional[_StackWork]:
+        """Update factors, second moment and momentum of the moving blocks of one stack."""
+        regions = [r for r in stack.plan.regions if r.param_index in active]
+        if not regions:
+            return None
+        if len(regions) == len(stack.plan.regions):
+            plan, index, state = stack.plan, None, stack.state
+        else:
+            plan, positions = stack.plan.subset({r.param_index for r in regions})
+            index = torch.tensor(positions, device=stack.state.left_factor.device)
+            state = stack.state.select(index)
+        device = state.left_factor.device
+        grads = {
+            r.param_index: layout.params[r.param_index].grad.reshape(matrix_shape(layout.params[r.param_index].shape))
+            for r in plan.regions
+        }
+        grad = plan.gather(grads)
+        counts = [r.num_blocks for r in plan.regions]
+        groups = [self.param_groups[layout.group_of[r.param_index]] for r in plan.regions]
+        steps = [layout.steps[r.param_index] for r in plan.regions]
+        betas1 = [g["betas"][0] for g in groups]
+        beta1 = _blockwise(_per_block(betas1, counts, device))
+        beta2 = _blockwise(_per_block([g["betas"][1] for g in groups], counts, device))
+
+        _accumulate(state.left_factor, grad, grad.transpose(1, 2), beta2)
+        _accumulate(state.right_factor, grad.transpose(1, 2), grad, beta2)
+        if uses_second_moment(self.grafting):
+            graft_beta2 = _blockwise(_per_block([g["grafting_beta2"] for g in groups], counts, device))
+            update_second_moment(state.ensure(SECOND_MOMENT), grad, self.grafting, graft_beta2)
+        wants_momentum = any(b > 0 for b in betas1)
+        followed = self._update_momentum(state.ensure(MOMENTUM) if wants_momentum else None, grad, beta1)
+        first_term = _blockwise(self._momentum_terms(steps, counts, betas1, device))
+
+        due_regions = [
+            k for k, (t, g) in enumerate(zip(steps, groups))
+            if t >= g["start_preconditioning_step"]
+            and (t - g["start_preconditioning_step"]) % g["precondition_frequency"] == 0
+        ]
+        due = None
+        if due_regions and len(due_regions) < len(plan.regions):
+            due = torch.cat([
+                torch.arange(plan.regions[k].stack_offset, plan.regions[k].stack_offset + counts[k])
+                for k in due_regions
+            ]).to(device)
+        return _StackWork(stack, plan, index, state, followed / first_term, steps, groups, due, due_regions)
+
+    def _root_inputs(self, work: _StackWork) -> tuple[Tensor, Tensor, Tensor]:
+        """Bias-corrected factors and epsilon of the blocks whose roots are due."""
+        counts = [work.plan.regions[k].num_blocks for k in work.due_regions]
+        groups = [work.groups[k] for k in work.due_regions]
+        device = work.state.left_factor.device
+        left, right = work.state.left_factor, work.state.right_factor
+        if work.due is not None:
+            left, right = left[work.due], right[work.due]
+        if self.bias_correction:
+            correction = _blockwise(_per_block(
+                [1.0 - g["betas"][1] ** work.steps[k] if g["betas"][1] < 1 else 1.0
+                 for k, g in zip(work.due_regions, groups)],
+                counts, device,
+            ))
+            left, right = left / correction, right / correction
+        eps = _per_block([g["epsilon"] for g in groups], counts, device)
+        if not isinstance(eps, Tensor):
+            eps = torch.full((left.shape[0],), eps, device=device)
+        return left, right, eps
+
+    def _compute_roots(self, works: list[_StackWork]) -> list[Tensor]:
+        """Recompute due roots, batching all factors of one size across stacks.
+
+        Returns per-stack ``[failed blocks, longest failure streak]`` tensors (not yet
+        read back), empty when no root was due.
+        """
+        jobs: dict[int, list[tuple[_StackWork, str, Tensor, Tensor]]] = {}
+        for work in works:
+            if not work.due_regions:
+                continue
+            left, right, eps = self._root_inputs(work)
+            jobs.setdefault(left.shape[1], []).append((work, "left", left, eps))
+            jobs.setdefault(right.shape[1], []).append((work, "right", right, eps))
+        results: dict[tuple[int, str], Tensor] = {}
+        residuals = []
+        for size_jobs in jobs.values():
+            solved = inverse_root(
+                torch.cat([job[2] for job in size_jobs]), torch.cat([job[3] for job in size_jobs]), 4,
+                self.root_settings,
+            )
+            if solved.residual is not None:
+                residuals.append(solved.residual.max())
+            pieces = solved.root.split([job[2].shape[0] for job in size_jobs])
+            for (work, side, _, _), piece in zip(size_jobs, pieces):
+                results[(id(work), side)] = piece
+        self.last_root_residual = torch.stack(residuals).max() if residuals else None
+        failures = []
+        for work in works:
+            if work.due_regions:
+                failures.append(self._accept_roots(work, results[(id(work), "left")], results[(id(work), "right")]))
+        return failures
+
+    def _accept_roots(self, work: _StackWork, left: Tensor, right: Tensor) -> Tensor:
+        """Keep new roots where both factors are finite; otherwise keep the previous ones."""
+        state = work.state
+        ok = torch.isfinite(left).all(dim=(1, 2)) & torch.isfinite(right).all(dim=(1, 2))
+        select = ok[:, None, None]
+        if work.due is None:
+            state.left_root.copy_(torch.where(select, left, state.left_root))
+            state.right_root.copy_(torch.where(select, right, state.right_root))
+            state.root_valid.logical_or_(ok)
+            state.root_failures.copy_(torch.where(ok, 0, state.root_failures + 1))
+            streak = state.root_failures
+        else:
+            due = work.due
+            state.left_root.index_copy_(0, due, torch.where(select, left, state.left_root[due]))
+            state.right_root.index_copy_(0, due, torch.where(select, right, state.right_root[due]))
+            state.root_valid.index_copy_(0, due, state.root_valid[due] | ok)
+            streak = torch.where(ok, 0, state.root_failures[due] + 1)
+            state.root_failures.index_copy_(0, due, streak)
+        return torch.stack([(~ok).sum(), streak.max()]).to(torch.int64)
+
+    def _finish_stack(self, layout: _Layout, work: _StackWork) -> None:
+        """Precondition, graft, and apply the update of the moving blocks of one stack."""
+        state, plan = work.state, work.plan
+        device = state.left_factor.device
+        counts = [r.num_blocks for r in plan.regions]
+        groups = work.groups
+        second_term: PerBlock = 1.0
+        if self.bias_correction:
+            second_term = _blockwise(_per_block(
+                [1.0 - g["grafting_beta2"] ** t for g, t in zip(groups, work.steps)], counts, device
+            ))
+        kind = "adam" if self.grafting == "none" else self.grafting
+        epsilon = _blockwise(_per_block([g["grafting_epsilon"] for g in groups], counts, device))
+        fallback = grafting_direction(work.momentum, state.grafting_second_moment, kind, epsilon, second_term)
+        started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]
+        if any(started):
+            shampoo = torch.bmm(torch.bmm(state.left_root, work.momentum), state.right_root)
+            if self.grafting != "none":
+                shampoo = graft_norm(shampoo, fallback)
+            use = state.root_valid
+            if not all(started):
+                use = use & _per_block([float(s) for s in started], counts, device).bool()
+            direction = torch.where(use[:, None, None], shampoo, fallback)
+        else:
+            direction = fallback
+        direction.mul_(_blockwise(_per_block([-g["lr"] for g in groups], counts, device)))
+        self._apply(layout, plan, direction)
+        if work.index is not None:
+            work.stack.state.commit(work.index, state)
+
+    @staticmethod
+    def _apply(layout: _Layout, plan: StackPlan, update: Tensor) -> None:
+        """Add each region's tiles of ``update`` to its parameter."""
+        for region in plan.regions:
+            param = layout.params[region.param_index]
+            shape = matrix_shape(param.shape)
+            if param.is_contiguous():
+                region.window(param.view(shape)).add_(region.tiles(update))
+            else:
+                dense = torch.zeros(shape, dtype=update.dtype, device=update.device)
+                region.window(dense).copy_(region.tiles(update))
+                param.add_(dense.view(param.shape))
+
+    def _check_failures(self, layout: _Layout, works: list[_StackWork], failures: list[Tensor]) -> None:
+        """Count failed roots; raise once a block's failure streak reaches the limit."""
+        counts = torch.stack(failures).cpu()
+        self.root_failure_count += int(counts[:, 0].sum())
+        limit = self.max_consecutive_root_failures
+        if limit is None or int(counts[:, 1].max()) < limit:
+            return
+        for work in works:
+            streaks = work.stack.state.root_failures.cpu()
+            for region in work.stack.plan.regions:
+                block = region.stack_offset
+                if int(streaks[block : block + region.num_blocks].max()) >= limit:
+                    raise RootComputationError(
+                        f"inverse root of {layout.names[region.param_index]} failed {limit} times in a row "
+                        f"(method={self.root_settings.method}); try a larger epsilon, a lower lr, or 'eigh'"
+                    )

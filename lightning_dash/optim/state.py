@@ -1,0 +1,164 @@
+"""Optimizer state held as stacks, and its conversion to per-parameter entries.
+
+While training, DASH keeps every statistic in stacked tensors (one per block
+shape) so each step is a handful of batched kernels. Users, checkpoints and
+trainers see the standard torch layout instead: ``state[param]`` with tensors in
+the parameter's own coordinates. :func:`export_stack` and :func:`import_stack`
+translate between the two; exported tensors are copies, never views into a stack.
+
+Per-parameter keys of a preconditioned parameter:
+``step``, ``momentum`` and ``grafting_second_moment`` (parameter-shaped),
+``root_valid`` and ``root_failures`` (one entry per tile), and per tile ``(i, j)``
+``left_factor_i_j``, ``right_factor_i_j``, ``left_root_i_j``, ``right_root_i_j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+
+FACTOR_KEYS = ("left_factor", "right_factor", "left_root", "right_root")
+MOMENTUM = "momentum"
+SECOND_MOMENT = "grafting_second_moment"
+ROOT_VALID = "root_valid"
+ROOT_FAILURES = "root_failures"
+
+
+@dataclass
+class StackState:
+    """Statistics of the ``n`` blocks of one stack of shape ``(n, rows, cols)``."""
+
+    left_factor: Tensor
+    right_factor: Tensor
+    left_root: Tensor
+    right_root: Tensor
+    root_valid: Tensor
+    root_failures: Tensor
+    momentum: Optional[Tensor] = None
+    grafting_second_moment: Optional[Tensor] = None
+
+    @classmethod
+    def zeros(cls, num_blocks: int, shape: tuple[int, int], device: torch.device) -> "StackState":
+        rows, cols = shape
+        square = lambda size: torch.zeros(num_blocks, size, size, device=device)  # noqa: E731
+        return cls(
+            left_factor=square(rows),
+            right_factor=square(cols),
+            left_root=square(rows),
+            right_root=square(cols),
+            root_valid=torch.zeros(num_blocks, dtype=torch.bool, device=device),
+            root_failures=torch.zeros(num_blocks, dtype=torch.int32, device=device),
+        )
+
+    def ensure(self, name: str) -> Tensor:
+        """Allocate an optional elementwise buffer (momentum, second moment) on first use."""
+        tensor = getattr(self, name)
+        if tensor is None:
+            num_blocks, rows, _ = self.left_factor.shape
+            cols = self.right_factor.shape[1]
+            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device)
+            setattr(self, name, tensor)
+        return tensor
+
+    def select(self, index: Tensor) -> "StackState":
+        """Copies of the blocks at ``index`` (for steps where only some blocks move)."""
+        return StackState(**{
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).index_select(0, index)
+            for f in fields(self)
+        })
+
+    def commit(self, index: Tensor, part: "StackState") -> None:
+        """Write the blocks of ``part`` back to positions ``index``."""
+        for f in fields(self):
+            value = getattr(part, f.name)
+            if value is None:
+                continue
+            if getattr(self, f.name) is None:
+                self.ensure(f.name)
+            getattr(self, f.name).index_copy_(0, index, value)
+
+
+def _tile_index(region: Region, block_size: int, row: int, col: int) -> tuple[int, int]:
+    return region.row_start // block_size + row, region.col_start // block_size + col
+
+
+def _grid_shape(shape: tuple[int, int], block_size: int) -> tuple[int, int]:
+    return -(-shape[0] // block_size), -(-shape[1] // block_size)
+
+
+def export_stack(
+    plan: StackPlan,
+    state: StackState,
+    params: list[Tensor],
+    block_size: int,
+    out: dict[int, dict[str, Tensor]],
+) -> None:
+    """Add copies of a stack's state to ``out[param_index]`` in parameter coordinates."""
+    root_valid, root_failures = state.root_valid.cpu(), state.root_failures.cpu()
+    for region in plan.regions:
+        param = params[region.param_index]
+        shape = matrix_shape(param.shape)
+        entry = out.setdefault(region.param_index, {})
+        grid = _grid_shape(shape, block_size)
+        valid = entry.setdefault(ROOT_VALID, torch.zeros(grid, dtype=torch.bool))
+        failures = entry.setdefault(ROOT_FAILURES, torch.zeros(grid, dtype=torch.int32))
+        for name in (MOMENTUM, SECOND_MOMENT):
+            stacked = getattr(state, name)
+            if stacked is not None:
+                full = entry.setdefault(name, torch.zeros(param.shape, device=stacked.device))
+                region.window(full.view(shape)).copy_(region.tiles(stacked))
+        for row in range(region.tile_rows):
+            for col in range(region.tile_cols):
+                block = region.stack_offset + row * region.tile_cols + col
+                i, j = _tile_index(region, block_size, row, col)
+                for key in FACTOR_KEYS:
+                    entry[f"{key}_{i}_{j}"] = getattr(state, key)[block].clone()
+                valid[i, j] = root_valid[block]
+                failures[i, j] = root_failures[block]
+
+
+def import_stack(
+    plan: StackPlan,
+    state: StackState,
+    params: list[Tensor],
+    block_size: int,
+    saved: dict[int, dict[str, Tensor]],
+    names: list[str],
+) -> None:
+    """Fill a freshly allocated stack from per-parameter entries (missing ones stay zero)."""
+    root_valid, root_failures = state.root_valid.cpu(), state.root_failures.cpu()
+    for region in plan.regions:
+        entry = saved.get(region.param_index)
+        if not entry or f"{FACTOR_KEYS[0]}_0_0" not in entry:
+            continue
+        param = params[region.param_index]
+        shape = matrix_shape(param.shape)
+        for name in (MOMENTUM, SECOND_MOMENT):
+            if name in entry:
+                full = entry[name]
+                if full.numel() != param.numel():
+                    raise ValueError(f"saved {name} of {names[region.param_index]} has shape "
+                                     f"{tuple(full.shape)}, expected {tuple(param.shape)}")
+                region.tiles(state.ensure(name)).copy_(region.window(full.reshape(shape)))
+        for row in range(region.tile_rows):
+            for col in range(region.tile_cols):
+                block = region.stack_offset + row * region.tile_cols + col
+                i, j = _tile_index(region, block_size, row, col)
+                for key in FACTOR_KEYS:
+                    saved_block = entry.get(f"{key}_{i}_{j}")
+                    target = getattr(state, key)[block]
+                    if saved_block is None or saved_block.shape != target.shape:
+                        raise ValueError(
+                            f"saved state of {names[region.param_index]} does not match block_size="
+                            f"{block_size}: missing or mis-shaped {key}_{i}_{j}"
+                        )
+                    target.copy_(saved_block)
+                root_valid[block] = entry[ROOT_VALID][i, j]
+                root_failures[block] = entry[ROOT_FAILURES][i, j]
+    state.root_valid.copy_(root_valid)
+    state.root_failures.copy_(root_failures)

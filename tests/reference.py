@@ -1,0 +1,99 @@
+"""A float64, one-block-at-a-time reference of the DASH update, written from the formulas.
+
+It shares no code with the package: tiles are cut with explicit loops and roots
+come from float64 ``eigh``. Tests compare the batched float32 optimizer against it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def inverse_fourth_root(matrix: Tensor, eps: float) -> Tensor:
+    """``(matrix + eps I)^(-1/4)`` in float64, clamping rounding negatives at zero."""
+    values, vectors = torch.linalg.eigh(matrix.double())
+    return (vectors * (values.clamp_min(0) + eps).pow(-0.25)) @ vectors.T
+
+
+def tiles(rows: int, cols: int, block: int) -> list[tuple[slice, slice]]:
+    """Row-major tiles of a rows x cols matrix, remainders last in each direction."""
+    out = []
+    for r in range(0, rows, block):
+        for c in range(0, cols, block):
+            out.append((slice(r, min(r + block, rows)), slice(c, min(c + block, cols))))
+    return out
+
+
+@dataclass
+class ReferenceDash:
+    """Hyperparameters mirror the DASH constructor; only Adam grafting or none."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    epsilon: float = 1e-12
+    weight_decay: float = 0.0
+    block_size: int = 1024
+    precondition_frequency: int = 10
+    start_preconditioning_step: int = 1
+    grafting: str = "adam"
+    grafting_beta2: float = 0.95
+    grafting_epsilon: float = 1e-8
+    state: dict = field(default_factory=dict)
+
+    def step(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        for index, (param, grad) in enumerate(zip(params, grads)):
+            if param.dim() >= 2:
+                self._matrix_step(index, param, grad)
+            else:
+                self._vector_step(index, param, grad)
+
+    def _adam_direction(self, st: dict, grad: Tensor, t: int) -> Tensor:
+        b1 = self.betas[0]
+        st["m"] = b1 * st["m"] + (1 - b1) * grad
+        st["v"] = self.grafting_beta2 * st["v"] + (1 - self.grafting_beta2) * grad * grad
+        m_hat = st["m"] / (1 - b1**t)
+        v_hat = st["v"] / (1 - self.grafting_beta2**t)
+        return m_hat, m_hat / (v_hat.sqrt() + self.grafting_epsilon)
+
+    def _vector_step(self, index: int, param: Tensor, grad: Tensor) -> None:
+        st = self.state.setdefault(index, {"t": 0, "m": torch.zeros_like(param), "v": torch.zeros_like(param)})
+        st["t"] += 1
+        _, direction = self._adam_direction(st, grad.double(), st["t"])
+        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * direction)
+
+    def _matrix_step(self, index: int, param: Tensor, grad: Tensor) -> None:
+        rows = param.shape[0]
+        cols = math.prod(param.shape[1:])
+        weight, gradient = param.view(rows, cols), grad.double().reshape(rows, cols)
+        blocks = self.state.setdefault(index, {})
+        weight.mul_(1 - self.lr * self.weight_decay)
+        for key, (rs, cs) in enumerate(tiles(rows, cols, self.block_size)):
+            g = gradient[rs, cs]
+            st = blocks.setdefault(key, {
+                "t": 0, "m": torch.zeros_like(g), "v": torch.zeros_like(g),
+                "L": torch.zeros(g.shape[0], g.shape[0], dtype=torch.float64),
+                "R": torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64),
+                "Lr": None, "Rr": None,
+            })
+            st["t"] += 1
+            t, b2 = st["t"], self.betas[1]
+            st["L"] = b2 * st["L"] + (1 - b2) * g @ g.T
+            st["R"] = b2 * st["R"] + (1 - b2) * g.T @ g
+            m_hat, adam = self._adam_direction(st, g, t)
+            start, freq = self.start_preconditioning_step, self.precondition_frequency
+            if t >= start and (t - start) % freq == 0:
+                correction = 1 - b2**t if b2 < 1 else 1.0
+                st["Lr"] = inverse_fourth_root(st["L"] / correction, self.epsilon)
+                st["Rr"] = inverse_fourth_root(st["R"] / correction, self.epsilon)
+            if t >= start and st["Lr"] is not None:
+                shampoo = st["Lr"] @ m_hat @ st["Rr"]
+                if self.grafting == "adam":
+                    shampoo = shampoo * (adam.norm() / shampoo.norm())
+                direction = shampoo
+            else:
+                direction = adam
+            weight[rs, cs] -= self.lr * direction

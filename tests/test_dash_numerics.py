@@ -1,0 +1,150 @@
+"""The DASH update against independent float64 expectations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dash import DASH
+from reference import ReferenceDash, inverse_fourth_root
+
+
+def controlled_matrix(rows: int, cols: int, low: float, high: float, seed: int) -> torch.Tensor:
+    """A float64 matrix with singular values spread evenly in [low, high]."""
+    generator = torch.Generator().manual_seed(seed)
+    left, _ = torch.linalg.qr(torch.randn(rows, rows, generator=generator, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(cols, cols, generator=generator, dtype=torch.float64))
+    k = min(rows, cols)
+    return left[:, :k] @ torch.diag(torch.linspace(high, low, k, dtype=torch.float64)) @ right[:, :k].T
+
+
+def one_raw_step(grad: torch.Tensor, **options) -> torch.Tensor:
+    """The first DASH direction for ``grad`` from zero state with lr=1 and a zero weight."""
+    weight = torch.zeros(grad.shape, requires_grad=True)
+    opt = DASH([weight], lr=1.0, betas=(0.0, 0.95), grafting="none", precondition_frequency=1, **options)
+    weight.grad = grad.float()
+    opt.step()
+    return -weight.detach().double()
+
+
+# Newton solvers: 10 iterations on a condition number of 9 converge to float32
+# roundoff; the rectangular blocks add rank-deficient factors whose null space the
+# gradient does not touch, so the residual error stays ~1e-5. bf16/fp16 matmuls carry
+# their unit roundoff (4e-3 / 5e-4) times a growth of a few; Chebyshev's interpolant
+# is built for 1e-3 relative accuracy.
+DIRECTION_TOLERANCE = {
+    ("eigh", torch.float32): 1e-4,
+    ("newton_db", torch.float32): 1e-4,
+    ("coupled_newton", torch.float32): 1e-4,
+    ("chebyshev", torch.float32): 3e-3,
+    ("newton_db", torch.bfloat16): 5e-2,
+    ("coupled_newton", torch.bfloat16): 5e-2,
+    ("chebyshev", torch.bfloat16): 5e-2,
+    ("newton_db", torch.float16): 1e-2,
+    ("coupled_newton", torch.float16): 1e-2,
+    ("chebyshev", torch.float16): 1e-2,
+}
+
+
+@pytest.mark.parametrize("method,dtype", sorted(DIRECTION_TOLERANCE, key=str))
+@pytest.mark.parametrize("scaling", ["power_iteration", "frobenius"])
+@pytest.mark.parametrize("shape", [(24, 24), (20, 12), (9, 30)])
+def test_raw_direction_is_left_and_right_inverse_fourth_roots(method, dtype, scaling, shape):
+    grad = controlled_matrix(*shape, low=1.0, high=3.0, seed=sum(shape))
+    # The Newton solvers damp by at least 8 units of matmul roundoff times the scale
+    # (up to ||L||_F ~ 30 here): 0.12 for fp16 and 0.94 for bf16. Epsilon is chosen
+    # above that so the exact expectation below is the one the solver targets.
+    eps = {torch.float32: 0.05, torch.float16: 0.2, torch.bfloat16: 2.0}[dtype]
+    direction = one_raw_step(
+        grad, epsilon=eps, inverse_root_method=method, matrix_scaling=scaling, matmul_dtype=dtype, block_size=64
+    )
+    expected = inverse_fourth_root(grad @ grad.T, eps) @ grad @ inverse_fourth_root(grad.T @ grad, eps)
+    error = (direction - expected).norm() / expected.norm()
+    assert error < DIRECTION_TOLERANCE[(method, dtype)]
+
+
+@pytest.mark.parametrize("method", ["eigh", "newton_db", "coupled_newton"])
+def test_first_step_is_the_polar_factor(method):
+    grad = controlled_matrix(16, 10, low=1.0, high=2.0, seed=5)
+    direction = one_raw_step(grad, epsilon=1e-10, inverse_root_method=method, block_size=64)
+    u, _, vh = torch.linalg.svd(grad, full_matrices=False)
+    polar = u @ vh
+    assert (direction - polar).norm() / polar.norm() < 1e-4
+
+
+def run_against_reference(shapes, block_size, steps=4, **options):
+    generator = torch.Generator().manual_seed(11)
+    initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(steps)]
+    params = [torch.nn.Parameter(x.float().clone()) for x in initial]
+    opt = DASH(params, block_size=block_size, inverse_root_method="eigh", **options)
+    reference = ReferenceDash(block_size=block_size, **options)
+    expected = [x.clone() for x in initial]
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.float()
+        opt.step()
+        reference.step(expected, step_grads)
+    return params, expected
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 1024])
+def test_full_update_matches_reference_on_odd_shapes(block_size):
+    # At block 1024 the 1024x17 tile has a 1024x1024 left factor of rank <= 68 whose
+    # float32 eigenvalues carry noise near 1e-4 * lambda_max ~ 0.1; epsilon must dominate
+    # that noise for a float32 optimizer to agree with a float64 reference.
+    shapes = [(1030, 17), (7, 5), (16, 3, 3, 3), (17,), (5, 7)]
+    options = dict(lr=0.01, betas=(0.9, 0.95), epsilon=0.1, weight_decay=0.1, precondition_frequency=2)
+    params, expected = run_against_reference(shapes, block_size, **options)
+    for param, reference in zip(params, expected):
+        torch.testing.assert_close(param.detach().double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_grafting_before_start_step_and_raw_after():
+    shapes = [(12, 8), (8,)]
+    options = dict(lr=0.05, epsilon=1e-2, start_preconditioning_step=3, precondition_frequency=1, grafting="none")
+    params, expected = run_against_reference(shapes, 1024, steps=5, **options)
+    for param, reference in zip(params, expected):
+        torch.testing.assert_close(param.detach().double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_stacking_equals_one_parameter_at_a_time():
+    """Blocks from many parameters in one stack move exactly as if each were alone."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(16, 16), (16, 16), (40, 16), (16, 40), (5, 16)]
+    initial = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
+    options = dict(lr=0.01, block_size=16, precondition_frequency=1, epsilon=1e-4)
+    together = [torch.nn.Parameter(x.clone()) for x in initial]
+    alone = [torch.nn.Parameter(x.clone()) for x in initial]
+    joint = DASH(together, **options)
+    separate = [DASH([p], **options) for p in alone]
+    for step_grads in grads:
+        for p, q, g in zip(together, alone, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        joint.step()
+        for opt in separate:
+            opt.step()
+    for p, q in zip(together, alone):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grafting", ["adagrad", "rmsprop", "sgd"])
+def test_grafting_norm_matches_its_optimizer(grafting):
+    """Each block's step has the Frobenius norm of the grafting optimizer's step."""
+    grad = controlled_matrix(6, 4, low=0.5, high=2.0, seed=1).float()
+    weight = torch.nn.Parameter(torch.zeros(6, 4))
+    opt = DASH([weight], lr=1.0, betas=(0.0, 0.9), grafting=grafting, grafting_beta2=0.9,
+               grafting_epsilon=1e-8, block_size=2, epsilon=1e-6)
+    weight.grad = grad
+    opt.step()
+    step = -weight.detach()
+    if grafting == "adagrad":
+        reference = grad / (grad.abs() + 1e-8)
+    elif grafting == "rmsprop":
+        reference = grad / ((0.1 * grad * grad).sqrt() + 1e-8)
+    else:
+        reference = grad
+    for r in range(0, 6, 2):
+        for c in range(0, 4, 2):
+            torch.testing.assert_close(step[r:r + 2, c:c + 2].norm(), reference[r:r + 2, c:c + 2].norm(), rtol=1e-4, atol=0)

@@ -147,4 +147,5 @@ def test_grafting_norm_matches_its_optimizer(grafting):
         reference = grad
     for r in range(0, 6, 2):
         for c in range(0, 4, 2):
-            torch.testing.assert_close(step[r:r + 2, c:c + 2].norm(), reference[r:r + 2, c:c + 2].norm(), rtol=1e-4, atol=0)
+            expected = reference[r:r + 2, c:c + 2].norm()
+            torch.testing.assert_close(step[r:r + 2, c:c + 2].norm(), expected, rtol=1e-4, atol=0)

@@ -257,7 +257,7 @@ class DASH(torch.optim.Optimizer):
                 stacks.append(_Stack(plan, state))
 
         vectors: list[_VectorGroup] = []
-        for group_index, group in enumerate(self.param_groups):
+        for group_index in range(len(self.param_groups)):
             members: dict[torch.device, list[int]] = {}
             for index, param in enumerate(params):
                 if group_of[index] == group_index and param.dim() < 2:

@@ -9,9 +9,11 @@ from lightning_dash.distributed.assignment import (
     plan_parameter_ownership,
     round_robin_parameters,
 )
+from lightning_dash.distributed.process_group import ProcessGroupDistributor
 
 __all__ = [
     "OwnershipPlan",
+    "ProcessGroupDistributor",
     "block_cost",
     "block_shapes",
     "greedy_parameters",

@@ -44,6 +44,15 @@ class Region:
     def num_blocks(self) -> int:
         return self.tile_rows * self.tile_cols
 
+    def single_tiles(self) -> list["Region"]:
+        """This region as one-tile regions, in row-major order."""
+        rows, cols = self.block_shape
+        return [
+            Region(self.param_index, self.row_start + row * rows, self.col_start + col * cols, 1, 1, self.block_shape)
+            for row in range(self.tile_rows)
+            for col in range(self.tile_cols)
+        ]
+
     def window(self, matrix: Tensor) -> Tensor:
         """The region of ``matrix`` viewed as ``(tile_rows, rows, tile_cols, cols)``."""
         rows, cols = self.block_shape
@@ -117,14 +126,18 @@ class StackPlan:
         return out
 
 
+def stack_regions(regions: list[Region]) -> list[StackPlan]:
+    """Group regions by block shape, stacks in order of first appearance."""
+    stacks: dict[tuple[int, int], StackPlan] = {}
+    for region in regions:
+        stacks.setdefault(region.block_shape, StackPlan(region.block_shape)).append(region)
+    return list(stacks.values())
+
+
 def plan_stacks(shapes: dict[int, tuple[int, int]], block_size: int) -> dict[tuple[int, int], StackPlan]:
     """Group the tiles of every parameter (param index -> matrix shape) by block shape.
 
     The order is deterministic: parameters in index order, regions in row-major order.
     """
-    stacks: dict[tuple[int, int], StackPlan] = {}
-    for param_index in sorted(shapes):
-        for region in param_regions(param_index, shapes[param_index], block_size):
-            plan = stacks.setdefault(region.block_shape, StackPlan(region.block_shape))
-            plan.append(region)
-    return stacks
+    regions = [region for index in sorted(shapes) for region in param_regions(index, shapes[index], block_size)]
+    return {plan.block_shape: plan for plan in stack_regions(regions)}

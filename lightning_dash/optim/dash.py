@@ -8,17 +8,27 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import StackPlan, matrix_shape, plan_stacks
-from lightning_dash.optim.grafting import graft_norm, grafting_direction, update_second_moment, uses_second_moment
+from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, dash_group_settings
+from lightning_dash.optim.distributor import BlockDistributor
+from lightning_dash.optim.grafting import (
+    GRAFTING_TYPES,
+    graft_norm,
+    grafting_direction,
+    update_second_moment,
+    uses_second_moment,
+)
 from lightning_dash.optim.roots import RootSettings, inverse_root
 from lightning_dash.optim.state import (
     MOMENTUM,
+    ROOT_FAILURES,
+    ROOT_VALID,
     SECOND_MOMENT,
     StackState,
     export_stack,
     import_stack,
 )
-from lightning_dash.optim.validation import check_group, check_optimizer_options
+from lightning_dash.optim.validation import check_choice, check_group, check_optimizer_options
 
 PerBlock = Union[float, Tensor]
 
@@ -33,6 +43,7 @@ class _Stack:
 
     plan: StackPlan
     state: StackState
+    update_offset: int = 0
 
 
 @dataclass
@@ -48,6 +59,15 @@ class _VectorGroup:
 
 
 @dataclass
+class _Exchange:
+    """Every rank's stacks and where their updates sit in the gathered flat buffers."""
+
+    plans: list[list[StackPlan]]
+    offsets: list[list[int]]
+    size: int
+
+
+@dataclass
 class _Layout:
     """Where every parameter's state lives while training."""
 
@@ -57,6 +77,7 @@ class _Layout:
     steps: list[int]
     stacks: list[_Stack]
     vectors: list[_VectorGroup]
+    exchange: Optional[_Exchange] = None
 
 
 @dataclass
@@ -72,6 +93,13 @@ class _StackWork:
     groups: list[dict[str, Any]]
     due: Optional[Tensor]
     due_regions: list[int]
+
+
+#: Options DASH keeps per parameter group (everything else is optimizer-wide).
+_GROUP_KEYS = frozenset({
+    "lr", "betas", "epsilon", "weight_decay", "grafting_beta2", "grafting_epsilon",
+    "precondition_frequency", "start_preconditioning_step", "shampoo_blend",
+})
 
 
 def _per_block(values: list[float], counts: list[int], device: torch.device) -> PerBlock:
@@ -154,6 +182,7 @@ class DASH(torch.optim.Optimizer):
         root_iterations: int = 10,
         chebyshev_degree: int = 40,
         max_consecutive_root_failures: Optional[int] = 3,
+        distributor: Optional[BlockDistributor] = None,
     ) -> None:
         options = check_optimizer_options(dict(
             block_size=block_size,
@@ -168,7 +197,7 @@ class DASH(torch.optim.Optimizer):
             max_consecutive_root_failures=max_consecutive_root_failures,
         ))
         self.block_size: int = options["block_size"]
-        self.grafting: str = options["grafting"]
+        self._grafting: str = options["grafting"]
         self.nesterov: bool = options["nesterov"]
         self.bias_correction: bool = options["bias_correction"]
         self.max_consecutive_root_failures: Optional[int] = options["max_consecutive_root_failures"]
@@ -183,6 +212,8 @@ class DASH(torch.optim.Optimizer):
         self.nonfinite_grad_skips = 0
         self.last_root_residual: Optional[Tensor] = None
         self._layout: Optional[_Layout] = None
+        self._distributor = distributor
+        self._consolidated: Optional[dict[int, dict[str, Tensor]]] = None
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
@@ -192,8 +223,54 @@ class DASH(torch.optim.Optimizer):
             grafting_epsilon=grafting_epsilon,
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step,
+            shampoo_blend=1.0,
         )
         super().__init__(params, defaults)
+
+    @property
+    def grafting(self) -> str:
+        """The grafting type; may be changed during training (e.g. by a schedule callback)."""
+        return self._grafting
+
+    @grafting.setter
+    def grafting(self, kind: str) -> None:
+        self._grafting = check_choice("grafting", kind, GRAFTING_TYPES)
+
+    @property
+    def distributor(self) -> Optional[BlockDistributor]:
+        """Block ownership across data-parallel ranks (None: this process owns every block)."""
+        return self._distributor
+
+    @distributor.setter
+    def distributor(self, distributor: Optional[BlockDistributor]) -> None:
+        self._retire_layout()
+        self._distributor = distributor
+
+    @property
+    def ownership_balance(self) -> float:
+        """max / mean of the per-rank cost of the block ownership (1.0 in one process)."""
+        return 1.0 if self._distributor is None else self._distributor.balance
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> "DASH":
+        """DASH over ``optimizer``'s own parameter-group dictionaries.
+
+        Learning rates, momenta, epsilons and weight decay map onto DASH and its
+        grafting (Adam-family optimizers graft Adam, SGD grafts SGD, ...); schedulers
+        attached to ``optimizer`` keep editing the same dictionaries. Keyword
+        overrides set DASH options (``block_size``, ``inverse_root_method``, ...) or
+        per-group values (``epsilon``, ``precondition_frequency``, ...) for all groups;
+        ``factor_decay`` sets ``betas[1]``. A DASH optimizer is returned unchanged.
+        """
+        if isinstance(optimizer, DASH):
+            return optimizer
+        factor_decay = overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY)
+        group_settings, options = dash_group_settings(optimizer, factor_decay)
+        per_group = {key: overrides.pop(key) for key in list(overrides) if key in _GROUP_KEYS}
+        for group, settings in zip(optimizer.param_groups, group_settings):
+            group.update(settings)
+            group.update(per_group)
+        return cls(optimizer.param_groups, **{**options, **overrides})
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -241,20 +318,32 @@ class DASH(torch.optim.Optimizer):
         want_momentum = any(group["betas"][0] > 0 for group in self.param_groups)
         want_second = uses_second_moment(self.grafting)
 
+        regions = [
+            region
+            for index, param in enumerate(params) if param.dim() >= 2
+            for region in param_regions(index, matrix_shape(param.shape), self.block_size)
+        ]
+        exchange = None
+        if self._distributor is None:
+            devices = dict.fromkeys(params[r.param_index].device for r in regions)
+            local_plans = [plan for device in devices
+                           for plan in stack_regions([r for r in regions if params[r.param_index].device == device])]
+        else:
+            exchange = self._plan_exchange(regions, group_of)
+            local_plans = exchange.plans[self._distributor.rank]
+
         stacks: list[_Stack] = []
-        by_device: dict[torch.device, dict[int, tuple[int, int]]] = {}
-        for index, param in enumerate(params):
-            if param.dim() >= 2:
-                by_device.setdefault(param.device, {})[index] = matrix_shape(param.shape)
-        for device, shapes in by_device.items():
-            for plan in plan_stacks(shapes, self.block_size).values():
+        for plan in local_plans:
+            if plan.regions:
+                device = params[plan.regions[0].param_index].device
                 state = StackState.zeros(plan.num_blocks, plan.block_shape, device)
                 if want_momentum:
                     state.ensure(MOMENTUM)
                 if want_second:
                     state.ensure(SECOND_MOMENT)
                 import_stack(plan, state, params, self.block_size, saved, names)
-                stacks.append(_Stack(plan, state))
+                offset = 0 if exchange is None else exchange.offsets[self._distributor.rank][len(stacks)]
+                stacks.append(_Stack(plan, state, offset))
 
         vectors: list[_VectorGroup] = []
         for group_index in range(len(self.param_groups)):
@@ -278,7 +367,37 @@ class DASH(torch.optim.Optimizer):
             step = self.state[param]["step"]
             self.state[param].clear()
             self.state[param]["step"] = step
-        return _Layout(params, group_of, names, steps, stacks, vectors)
+        return _Layout(params, group_of, names, steps, stacks, vectors, exchange)
+
+    def _plan_exchange(self, regions: list[Region], group_of: list[int]) -> _Exchange:
+        """Assign blocks to ranks and lay out every rank's stacks and update buffer.
+
+        A region whose tiles all belong to one rank stays whole; otherwise it is
+        split into one-tile regions. Every rank computes the same plan.
+        """
+        distributor = self._distributor
+        tiles = [(region, tile) for region in regions for tile in region.single_tiles()]
+        owners = distributor.assign_owners(
+            keys=[(t.param_index, t.row_start, t.col_start) for _, t in tiles],
+            shapes=[t.block_shape for _, t in tiles],
+            frequencies=[self.param_groups[group_of[t.param_index]]["precondition_frequency"] for _, t in tiles],
+        )
+        owned: list[list[Region]] = [[] for _ in range(distributor.world_size)]
+        position = 0
+        for region in regions:
+            region_owners = owners[position : position + region.num_blocks]
+            if len(set(region_owners)) == 1:
+                owned[region_owners[0]].append(region)
+            else:
+                for tile, owner in zip(region.single_tiles(), region_owners):
+                    owned[owner].append(tile)
+            position += region.num_blocks
+        plans = [stack_regions(rank_regions) for rank_regions in owned]
+        offsets = []
+        for rank_plans in plans:
+            sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in rank_plans]
+            offsets.append([sum(sizes[:k]) for k in range(len(sizes) + 1)])
+        return _Exchange(plans, [o[:-1] for o in offsets], max(o[-1] for o in offsets))
 
     def _current_layout(self) -> _Layout:
         if self._layout is None:
@@ -286,11 +405,16 @@ class DASH(torch.optim.Optimizer):
         return self._layout
 
     # ------------------------------------------------------------------ state dict
-    def _export(self, layout: _Layout) -> dict[int, dict[str, Tensor]]:
+    def _export(self, layout: _Layout, include_vectors: bool = True) -> dict[int, dict[str, Tensor]]:
+        """Per-parameter copies of this process's state (keyed by layout index).
+
+        One-dimensional parameters are replicated on every rank; ``include_vectors``
+        leaves them out so that only one rank contributes them when merging.
+        """
         out: dict[int, dict[str, Tensor]] = {}
         for stack in layout.stacks:
             export_stack(stack.plan, stack.state, layout.params, self.block_size, out)
-        for vector in layout.vectors:
+        for vector in layout.vectors if include_vectors else []:
             for index, offset, numel in zip(vector.param_indices, vector.offsets, vector.numels):
                 shape = layout.params[index].shape
                 out[index] = {
@@ -299,18 +423,54 @@ class DASH(torch.optim.Optimizer):
                 }
         return out
 
+    def _positions(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def _local_state(self, include_vectors: bool = True) -> dict[int, dict[str, Tensor]]:
+        """This process's statistics keyed by state-dict position (copies)."""
+        layout, positions = self._layout, self._positions()
+        if layout is None:
+            return {}
+        exported = self._export(layout, include_vectors)
+        return {positions[id(layout.params[index])]: entry for index, entry in exported.items()}
+
+    def _is_sharded(self) -> bool:
+        return self._distributor is not None and self._distributor.world_size > 1
+
+    def consolidate_state_dict(self) -> None:
+        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
+
+        Collective: call it on every rank (Lightning's strategies do before saving).
+        """
+        if not self._is_sharded():
+            return
+        local = {
+            key: {name: value.cpu() for name, value in entry.items()}
+            for key, entry in self._local_state(include_vectors=self._distributor.rank == 0).items()
+        }
+        gathered = self._distributor.gather_to_first(local)
+        if gathered is not None:
+            self._consolidated = _merge_rank_states(gathered)
+
     def state_dict(self) -> dict[str, Any]:
         """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
 
-        Every statistic, root, momentum and step count is a per-parameter copy.
+        Every statistic, root, momentum and step count is a per-parameter copy. With
+        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
+        (on every rank); the complete state is then returned on rank 0.
         """
         packed = super().state_dict()
-        layout = self._layout
-        if layout is not None:
-            positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            for index, entry in self._export(layout).items():
-                key = positions[id(layout.params[index])]
-                packed["state"][key] = {**packed["state"].get(key, {}), **entry}
+        if self._is_sharded():
+            if self._consolidated is None:
+                raise RuntimeError(
+                    "DASH state is sharded across ranks: call consolidate_state_dict() on every rank "
+                    "first, then state_dict() on rank 0"
+                )
+            local, self._consolidated = self._consolidated, None
+        else:
+            local = self._local_state()
+        for key, entry in local.items():
+            packed["state"][key] = {**packed["state"].get(key, {}), **entry}
         packed["dash"] = {
             "root_failure_count": self.root_failure_count,
             "nonfinite_grad_skips": self.nonfinite_grad_skips,
@@ -361,11 +521,35 @@ class DASH(torch.optim.Optimizer):
             self._step_vectors(layout, vector, active)
         works = [work for stack in layout.stacks if (work := self._begin_stack(layout, stack, active))]
         failures = self._compute_roots(works)
+        updates = None
+        if layout.exchange is not None:
+            device = layout.params[0].device
+            updates = torch.zeros(layout.exchange.size, device=device)
         for work in works:
-            self._finish_stack(layout, work)
-        if failures:
+            self._finish_stack(layout, work, updates)
+        if updates is not None:
+            self._apply_gathered(layout, self._distributor.all_gather(updates))
+        if self._roots_due_anywhere(layout, active):
             self._check_failures(layout, works, failures)
         return loss
+
+    def _roots_due_anywhere(self, layout: _Layout, active: set[int]) -> bool:
+        """Whether any block of any rank recomputed its roots this step (known on every rank)."""
+        for index in active:
+            if layout.params[index].dim() >= 2:
+                group = self.param_groups[layout.group_of[index]]
+                start = group["start_preconditioning_step"]
+                if layout.steps[index] >= start and (layout.steps[index] - start) % group["precondition_frequency"] == 0:
+                    return True
+        return False
+
+    def _apply_gathered(self, layout: _Layout, gathered: list[Tensor]) -> None:
+        """Add every rank's block updates to the parameters, in the same order on all ranks."""
+        for flat, plans, offsets in zip(gathered, layout.exchange.plans, layout.exchange.offsets):
+            for plan, offset in zip(plans, offsets):
+                rows, cols = plan.block_shape
+                update = flat[offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
+                self._apply(layout, plan, update)
 
     def _active_params(self, layout: _Layout) -> set[int]:
         """Indices of parameters with finite gradients; non-finite ones are skipped and counted."""
@@ -559,8 +743,9 @@ class DASH(torch.optim.Optimizer):
             state.root_failures.index_copy_(0, due, streak)
         return torch.stack([(~ok).sum(), streak.max()]).to(torch.int64)
 
-    def _finish_stack(self, layout: _Layout, work: _StackWork) -> None:
-        """Precondition, graft, and apply the update of the moving blocks of one stack."""
+    def _finish_stack(self, layout: _Layout, work: _StackWork, updates: Optional[Tensor]) -> None:
+        """Precondition and graft the moving blocks of one stack; apply their update, or
+        write it into this rank's ``updates`` buffer when blocks are shared across ranks."""
         state, plan = work.state, work.plan
         device = state.left_factor.device
         counts = [r.num_blocks for r in plan.regions]
@@ -578,6 +763,9 @@ class DASH(torch.optim.Optimizer):
             shampoo = torch.bmm(torch.bmm(state.left_root, work.momentum), state.right_root)
             if self.grafting != "none":
                 shampoo = graft_norm(shampoo, fallback)
+            blend = _blockwise(_per_block([g["shampoo_blend"] for g in groups], counts, device))
+            if isinstance(blend, Tensor) or blend != 1.0:
+                shampoo = torch.lerp(fallback, shampoo, blend)
             use = state.root_valid
             if not all(started):
                 use = use & _per_block([float(s) for s in started], counts, device).bool()
@@ -585,7 +773,16 @@ class DASH(torch.optim.Optimizer):
         else:
             direction = fallback
         direction.mul_(_blockwise(_per_block([-g["lr"] for g in groups], counts, device)))
-        self._apply(layout, plan, direction)
+        if updates is None:
+            self._apply(layout, plan, direction)
+        else:
+            full, offset = work.stack.plan, work.stack.update_offset
+            rows, cols = full.block_shape
+            window = updates[offset : offset + full.num_blocks * rows * cols].view(full.num_blocks, rows, cols)
+            if work.index is None:
+                window.copy_(direction)
+            else:
+                window.index_copy_(0, work.index, direction)
         if work.index is not None:
             work.stack.state.commit(work.index, state)
 
@@ -603,11 +800,20 @@ class DASH(torch.optim.Optimizer):
                 param.add_(dense.view(param.shape))
 
     def _check_failures(self, layout: _Layout, works: list[_StackWork], failures: list[Tensor]) -> None:
-        """Count failed roots; raise once a block's failure streak reaches the limit."""
-        counts = torch.stack(failures).cpu()
-        self.root_failure_count += int(counts[:, 0].sum())
+        """Count failed roots over all ranks; raise once a block's streak reaches the limit.
+
+        With several ranks this is collective, so every rank raises together.
+        """
+        local = torch.stack(failures).float() if failures else torch.zeros(1, 2)
+        summary = torch.stack([local[:, 0].sum(), local[:, 1].max()])
+        if self._is_sharded():
+            gathered = torch.stack(self._distributor.all_gather(summary.to(layout.params[0].device))).cpu()
+            summary = torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
+        else:
+            summary = summary.cpu()
+        self.root_failure_count += int(summary[0])
         limit = self.max_consecutive_root_failures
-        if limit is None or int(counts[:, 1].max()) < limit:
+        if limit is None or int(summary[1]) < limit:
             return
         for work in works:
             streaks = work.stack.state.root_failures.cpu()
@@ -618,3 +824,26 @@ class DASH(torch.optim.Optimizer):
                         f"inverse root of {layout.names[region.param_index]} failed {limit} times in a row "
                         f"(method={self.root_settings.method}); try a larger epsilon, a lower lr, or 'eigh'"
                     )
+        raise RootComputationError(
+            f"an inverse root owned by another rank failed {limit} times in a row "
+            f"(method={self.root_settings.method}); that rank names the parameter"
+        )
+
+
+def _merge_rank_states(states: list[dict[int, dict[str, Tensor]]]) -> dict[int, dict[str, Tensor]]:
+    """Combine per-rank exports: each block (and each element of the parameter-shaped
+    buffers) is owned by exactly one rank, whose values are non-zero only there."""
+    merged: dict[int, dict[str, Tensor]] = {}
+    for state in states:
+        for key, entry in state.items():
+            target = merged.setdefault(key, {})
+            for name, value in entry.items():
+                if name not in target:
+                    target[name] = value.clone()
+                elif name == ROOT_VALID:
+                    target[name] |= value
+                elif name in (MOMENTUM, SECOND_MOMENT, ROOT_FAILURES):
+                    target[name] += value
+                else:
+                    target[name] = value
+    return merged

@@ -85,6 +85,7 @@ def check_group(group: dict[str, Any]) -> None:
     check_number("grafting_epsilon", group["grafting_epsilon"], low=0.0, low_open=True)
     check_int("precondition_frequency", group["precondition_frequency"], low=1)
     check_int("start_preconditioning_step", group["start_preconditioning_step"], low=1)
+    check_number("shampoo_blend", group["shampoo_blend"], low=0.0, high=1.0)
     for param in group["params"]:
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"params must contain tensors, got {type(param).__name__}")

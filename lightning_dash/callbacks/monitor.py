@@ -1,0 +1,100 @@
+"""Log DASH's step time and health counters to the trainer's loggers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dash.callbacks.grafting_schedule import _dash_optimizer
+from lightning_dash.optim.validation import check_int
+
+
+class DashMonitor(Callback):
+    """Log the optimizer step's wall time and DASH's diagnostics every few optimizer steps.
+
+    Metrics (written with ``logger.log_metrics`` to every logger of the trainer, at the
+    step index Lightning uses for the batch's own metrics; nothing when there is none):
+
+    - ``dash/optimizer_step_ms``: wall time from ``on_before_optimizer_step`` to
+      ``on_train_batch_end`` (the optimizer step plus gradient clipping and step-wise
+      LR schedulers), with CUDA synchronised at both ends when the module is on a GPU.
+    - ``dash/root_failures`` and ``dash/nonfinite_grad_skips``: cumulative counters.
+    - ``dash/root_residual``: the largest Newton residual of the latest root
+      computation, only when the step computed roots with a residual.
+    - ``dash/ownership_balance``: max/mean per-rank cost, when the optimizer has it.
+
+    Only logging steps synchronise the host with the device (the timing and the
+    residual's ``.item()``); the other steps cost nothing.
+
+    Args:
+        logging_interval: log after every this many optimizer steps (``global_step``).
+    """
+
+    def __init__(self, logging_interval: int = 1) -> None:
+        self.logging_interval = check_int("logging_interval", logging_interval, low=1)
+        self._started: float | None = None
+        self._step: int | None = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _dash_optimizer(trainer, self)
+        if not trainer.loggers:
+            rank_zero_warn("DashMonitor: the trainer has no logger, so nothing will be logged.")
+        self._started = None
+
+    @staticmethod
+    def _synchronize(pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        upcoming = trainer.global_step + 1
+        if not trainer.loggers or upcoming % self.logging_interval != 0:
+            return
+        self._synchronize(pl_module)
+        self._step = upcoming
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._started is None:
+            return
+        self._synchronize(pl_module)
+        elapsed_ms = (time.perf_counter() - self._started) * 1e3
+        self._started = None
+        if trainer.global_step != self._step:
+            return  # the step was skipped (e.g. by a gradient scaler); nothing to report
+        optimizer = _dash_optimizer(trainer, self)
+        metrics: dict[str, float] = {
+            "dash/optimizer_step_ms": elapsed_ms,
+            "dash/root_failures": float(optimizer.root_failure_count),
+            "dash/nonfinite_grad_skips": float(optimizer.nonfinite_grad_skips),
+        }
+        residual = optimizer.last_root_residual
+        if residual is not None:
+            metrics["dash/root_residual"] = float(residual.item())
+        balance = getattr(optimizer, "ownership_balance", None)
+        if balance is not None:
+            metrics["dash/ownership_balance"] = float(balance)
+        # The index Lightning gives this batch's own metrics (as LearningRateMonitor does).
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

@@ -1,0 +1,84 @@
+"""Turning an existing first-order optimizer into DASH, keeping its parameter groups.
+
+Trainers build the optimizer a model's code asks for (AdamW, SGD, Composer's
+decoupled variants, ...) and attach learning-rate schedulers to its
+``param_groups``. :func:`dash_group_settings` maps each group's hyperparameters
+onto DASH's, and :meth:`DASH.from_optimizer` builds DASH over the *same* group
+dictionaries, so every scheduler that edits ``group["lr"]`` keeps driving it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Decay of the Kronecker factors when the source optimizer has none (DASH's default).
+DEFAULT_FACTOR_DECAY = 0.95
+
+
+def _adam_like(group: dict[str, Any], decoupled: bool, factor_decay: float) -> dict[str, Any]:
+    beta1, beta2 = group["betas"]
+    return {
+        "betas": (float(beta1), factor_decay),
+        "grafting_beta2": float(beta2),
+        "grafting_epsilon": float(group.get("eps", 1e-8)),
+        "weight_decay": _decoupled_weight_decay(group, decoupled),
+    }
+
+
+def _decoupled_weight_decay(group: dict[str, Any], composer_style: bool) -> float:
+    """DASH applies ``W <- W (1 - lr wd)``; Composer's decoupled optimizers apply
+    ``W <- W (1 - wd lr / initial_lr)``, which is the same with ``wd / initial_lr``."""
+    decay = float(group.get("weight_decay", 0.0))
+    if composer_style and decay:
+        return decay / float(group.get("initial_lr", group["lr"]))
+    return decay
+
+
+def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-group DASH settings equivalent to ``optimizer``'s, and optimizer-wide options
+    (``grafting`` and ``nesterov``).
+
+    Adam/AdamW (and Composer's ``DecoupledAdamW``) graft Adam with their second-moment
+    decay and epsilon; SGD (and ``DecoupledSGDW``) grafts SGD with its momentum;
+    Adagrad and RMSprop graft themselves. Adam's L2 ``weight_decay`` becomes decoupled
+    weight decay. Unsupported classes or options raise ``TypeError``/``ValueError``.
+    """
+    name = type(optimizer).__name__
+    composer_style = name.startswith("Decoupled")
+    settings: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        if group.get("maximize", False):
+            raise ValueError(f"{name} with maximize=True cannot be converted to DASH")
+        if group.get("amsgrad", False):
+            raise ValueError(f"{name} with amsgrad=True cannot be converted to DASH")
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            grafting, values = "adam", _adam_like(group, composer_style, factor_decay)
+        elif isinstance(optimizer, torch.optim.SGD):
+            if group.get("dampening", 0.0):
+                raise ValueError(f"{name} with dampening != 0 cannot be converted to DASH")
+            grafting = "sgd"
+            values = {
+                "betas": (float(group.get("momentum", 0.0)), factor_decay),
+                "weight_decay": _decoupled_weight_decay(group, composer_style),
+            }
+        elif isinstance(optimizer, torch.optim.Adagrad):
+            grafting = "adagrad"
+            values = {"betas": (0.0, 1.0), "grafting_epsilon": float(group.get("eps", 1e-10)),
+                      "weight_decay": float(group.get("weight_decay", 0.0))}
+        elif isinstance(optimizer, torch.optim.RMSprop):
+            grafting = "rmsprop"
+            values = {"betas": (float(group.get("momentum", 0.0)), factor_decay),
+                      "grafting_beta2": float(group.get("alpha", 0.99)),
+                      "grafting_epsilon": float(group.get("eps", 1e-8)),
+                      "weight_decay": float(group.get("weight_decay", 0.0))}
+        else:
+            raise TypeError(
+                f"cannot convert {name} to DASH: supported are Adam, AdamW, SGD, Adagrad, RMSprop "
+                "and Composer's DecoupledAdamW/DecoupledSGDW"
+            )
+        settings.append(values)
+    nesterov = any(bool(group.get("nesterov", False)) for group in optimizer.param_groups)
+    return settings, {"grafting": grafting, "nesterov": nesterov}

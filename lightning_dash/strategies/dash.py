@@ -1,0 +1,183 @@
+"""``Trainer(strategy="dash")``: data parallel with DASH blocks owned across ranks."""
+
+from __future__ import annotations
+
+import weakref
+from functools import wraps
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.optim import DASH
+from lightning_dash.optim.validation import (
+    MATRIX_SCALINGS,
+    check_choice,
+    check_int,
+    check_matmul_dtype,
+    check_number,
+)
+from lightning_dash.optim.grafting import GRAFTING_TYPES
+from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Validate the DASH options a strategy passes on (None means: keep the mapping's value)."""
+    checks = {
+        "block_size": lambda v: check_int("block_size", v, low=1),
+        "precondition_frequency": lambda v: check_int("precondition_frequency", v, low=1),
+        "start_preconditioning_step": lambda v: check_int("start_preconditioning_step", v, low=1),
+        "root_iterations": lambda v: check_int("root_iterations", v, low=1),
+        "inverse_root_method": lambda v: check_choice("inverse_root_method", v, INVERSE_ROOT_METHODS),
+        "matrix_scaling": lambda v: check_choice("matrix_scaling", v, MATRIX_SCALINGS),
+        "grafting": lambda v: check_choice("grafting", v, GRAFTING_TYPES),
+        "matmul_dtype": check_matmul_dtype,
+        "epsilon": lambda v: check_number("epsilon", v, low=0.0, low_open=True),
+        "factor_decay": lambda v: check_number("factor_decay", v, low=0.0, high=1.0),
+    }
+    return {key: checks[key](value) for key, value in options.items() if value is not None}
+
+
+def _track_scheduler_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way torch's LR schedulers do, so a scheduler rebound
+    to it does not warn that ``optimizer.step()`` was overridden."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    function = type(optimizer).step
+
+    @wraps(function)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        target = owner()
+        target._opt_called = True  # type: ignore[union-attr]
+        return function(target, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+class DashStrategy(DDPStrategy):
+    """DDP whose optimizer is DASH, with each Shampoo block owned by one rank.
+
+    The optimizer returned by ``configure_optimizers`` (AdamW, Adam, SGD, Composer's
+    decoupled variants, ...) is converted with :meth:`DASH.from_optimizer` over the
+    same parameter groups, so its learning-rate schedulers keep driving it.
+    Gradients are all-reduced by DDP as usual; every rank then updates only the
+    blocks it owns (greedy LPT over a FLOP cost model) and one all-gather shares
+    the updates. Checkpoints hold the full, world-size-independent state.
+
+    Args:
+        block_size, precondition_frequency, start_preconditioning_step,
+        inverse_root_method, matrix_scaling, matmul_dtype, grafting, epsilon,
+        root_iterations: DASH options; None keeps the value mapped from the
+            user's optimizer or DASH's default.
+        factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
+        communication_dtype: dtype of the all-gathered updates (float32 default).
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "dash"
+
+    def __init__(
+        self,
+        *,
+        block_size: Optional[int] = None,
+        precondition_frequency: Optional[int] = None,
+        start_preconditioning_step: Optional[int] = None,
+        inverse_root_method: Optional[str] = None,
+        matrix_scaling: Optional[str] = None,
+        matmul_dtype: Optional[Union[torch.dtype, str]] = None,
+        grafting: Optional[str] = None,
+        epsilon: Optional[float] = None,
+        root_iterations: Optional[int] = None,
+        factor_decay: Optional[float] = None,
+        communication_dtype: Union[torch.dtype, str] = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.dash_options = _check_options(dict(
+            block_size=block_size,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            inverse_root_method=inverse_root_method,
+            matrix_scaling=matrix_scaling,
+            matmul_dtype=matmul_dtype,
+            grafting=grafting,
+            epsilon=epsilon,
+            root_iterations=root_iterations,
+            factor_decay=factor_decay,
+        ))
+        try:
+            self.communication_dtype = check_matmul_dtype(communication_dtype)
+        except ValueError:
+            raise ValueError(
+                f"communication_dtype must be one of float32, bfloat16, float16, got {communication_dtype!r}"
+            ) from None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork"),
+                                   ("dash_notebook", "fork")):
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name, cls, description=f"DDP with DASH (block-owned Shampoo), {start_method} launcher",
+                start_method=start_method,
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        # DDP synchronises only the parameters that required grad when it was built.
+        self._ddp_synchronised = {id(p) for p in self.model.parameters() if p.requires_grad}
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_with_late_parameters() -> Any:
+            result = closure()
+            self._average_unsynchronised_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_with_late_parameters, model, **kwargs)
+
+    def _average_unsynchronised_gradients(self) -> None:
+        """Average the gradients DDP does not know about (parameters unfrozen after
+        wrapping, e.g. by ``BaseFinetuning``) so every rank steps with the same ones."""
+        if self.world_size == 1 or self.lightning_module is None:
+            return
+        synchronised = getattr(self, "_ddp_synchronised", set())
+        late = [p for p in self.lightning_module.parameters() if p.grad is not None and id(p) not in synchronised]
+        if not late:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in late])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        for param, part in zip(late, flat.split([p.numel() for p in late])):
+            param.grad.copy_(part.view_as(param.grad))
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        converted = [self._convert(optimizer) for optimizer in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for old, new in zip(self.optimizers, converted):
+                if getattr(scheduler, "optimizer", None) is old and new is not old:
+                    scheduler.optimizer = new
+                    _track_scheduler_calls(new)
+        self.optimizers = converted
+
+    def _convert(self, optimizer: Optimizer) -> DASH:
+        dash = optimizer if isinstance(optimizer, DASH) else DASH.from_optimizer(optimizer, **self.dash_options)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            dash.distributor = ProcessGroupDistributor(
+                communication_dtype=self.communication_dtype,
+                root_iterations=dash.root_settings.iterations,
+            )
+        return dash

@@ -1,0 +1,269 @@
+"""``Trainer(strategy="dash")`` in real two-process gloo runs and in one process.
+
+Every two-process run checks, inside each rank after every optimizer step, that the
+parameters equal a single-process DASH run on the same global batches (computed
+here without Lightning) and are bit-identical across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dash  # noqa: F401  (registers the strategies)
+from lightning_dash import DASH, DashStrategy
+
+GLOBAL_BATCH = 16
+SAMPLES = 64  # four steps per epoch: checkpoints fall on epoch boundaries
+DASH_OPTIONS = dict(block_size=16, precondition_frequency=2, epsilon=1e-4)
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 12, generator=generator)
+    return TensorDataset(x, torch.sin(x[:, :3] * 2) + 0.1 * torch.randn(SAMPLES, 3, generator=generator))
+
+
+def network() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+def adamw_with_schedule(parameters):
+    optimizer = torch.optim.AdamW(parameters, lr=0.02, betas=(0.9, 0.99), weight_decay=0.01)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16 samples of optimizer step ``step`` (cycling through the data set)."""
+    start = (step % (SAMPLES // GLOBAL_BATCH)) * GLOBAL_BATCH
+    x, y = dataset().tensors
+    return x[start : start + GLOBAL_BATCH], y[start : start + GLOBAL_BATCH]
+
+
+def reference_trajectory(steps: int) -> list[list[torch.Tensor]]:
+    """Single-process DASH on the global batches; parameters after every step."""
+    model = network()
+    optimizer, scheduler = adamw_with_schedule(model.parameters())
+    dash = DASH.from_optimizer(optimizer, **DASH_OPTIONS)
+    scheduler.optimizer = dash
+    trajectory = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        dash.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        dash.step()
+        scheduler.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory
+
+
+class ParityModule(pl.LightningModule):
+    """AdamW + StepLR, as a user would write it; checks itself against a reference."""
+
+    def __init__(self, reference_path: str, checkpoint_path: str | None = None) -> None:
+        super().__init__()
+        self.net = network()
+        self.reference_path = reference_path
+        self.checkpoint_path = checkpoint_path
+        self.reference: list[list[torch.Tensor]] | None = None
+
+    def training_step(self, batch, batch_idx):
+        # The global batch is chosen by the optimizer step, not by the loader position,
+        # so Lightning's mid-epoch resume bookkeeping cannot shift the data order.
+        x, y = global_batch(self.trainer.global_step)
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return nn.functional.mse_loss(self.net(x[rank::world]), y[rank::world])
+
+    def configure_optimizers(self):
+        optimizer, scheduler = adamw_with_schedule(self.parameters())
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(range(SAMPLES // GLOBAL_BATCH))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        optimizer = self.trainer.optimizers[0]
+        assert isinstance(optimizer, DASH)
+        assert (optimizer.distributor is not None) == (self.trainer.world_size > 1)
+        if self.reference is None:
+            self.reference = torch.load(self.reference_path)
+        step = self.trainer.global_step
+        for param, expected in zip(self.parameters(), self.reference[step - 1]):
+            torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** (step // 2))
+        if self.trainer.world_size > 1:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
+            dist.all_gather(gathered, flat)
+            assert all(torch.equal(gathered[0], other) for other in gathered)
+
+    def on_train_end(self):
+        if self.checkpoint_path:  # inside the worker processes, where the optimizer state lives
+            self.trainer.save_checkpoint(self.checkpoint_path)
+
+
+def release_process_group() -> None:
+    """A one-device run initialises gloo in this process; free it and its port for the next run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for variable in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(variable, None)
+
+
+@pytest.fixture(autouse=True)
+def clean_process_group():
+    yield
+    release_process_group()
+
+
+def trainer(devices: int, steps: int, root: Path, strategy="dash_spawn", **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "dash", max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("reference") / "trajectory.pt"
+    torch.save(reference_trajectory(8), path)
+    return str(path)
+
+
+def configure(strategy: pl.Trainer) -> None:
+    """Apply the DASH options of the reference to a trainer's strategy."""
+    strategy.strategy.dash_options.update(DASH_OPTIONS)
+
+
+def test_two_processes_match_single_process_dash_and_each_other(reference_file, tmp_path):
+    run = trainer(2, 6, tmp_path)
+    configure(run)
+    run.fit(ParityModule(reference_file))
+
+
+@pytest.mark.parametrize("first,second", [(2, 2), (2, 1), (1, 2)])
+def test_checkpoint_resume_is_exact_across_world_sizes(reference_file, tmp_path, first, second):
+    before = trainer(first, 4, tmp_path)
+    configure(before)
+    checkpoint = tmp_path / "half.ckpt"
+    before.fit(ParityModule(reference_file, str(checkpoint)))
+    release_process_group()
+    saved = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]
+    # The full state of every parameter is in the file, whichever rank owned it.
+    assert sorted(saved["state"]) == list(range(6))
+    assert {"left_factor_0_0", "left_factor_2_0", "right_root_0_0", "momentum"} <= set(saved["state"][0])
+    assert saved["state"][0]["root_valid"].all()
+
+    after = trainer(second, 8, tmp_path)
+    configure(after)
+    after.fit(ParityModule(reference_file), ckpt_path=checkpoint)
+
+
+class FreezeThenUnfreeze(BaseFinetuning):
+    """Lightning's own fine-tuning callback: the first layer joins at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, lr=0.01)
+
+
+class FinetuneModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = network()
+        self.initial_first_layer = self.net[0].weight.detach().clone()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8, shuffle=False)
+
+    def on_train_epoch_end(self):
+        changed = not torch.equal(self.net[0].weight, self.initial_first_layer)
+        assert changed == (self.current_epoch >= 1)
+        assert len(self.trainer.optimizers[0].param_groups) == (2 if self.current_epoch >= 1 else 1)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(gathered[0], other) for other in gathered)
+
+
+def test_base_finetuning_adds_groups_mid_training(tmp_path):
+    run = pl.Trainer(accelerator="cpu", devices=2, strategy=DashStrategy(start_method="spawn", block_size=16),
+                     max_epochs=2, callbacks=[FreezeThenUnfreeze()], logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    run.fit(FinetuneModule())
+
+
+class IdenticalAcrossRanks(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert isinstance(trainer.optimizers[0], DASH)
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        assert torch.isfinite(flat).all()
+        gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(gathered[0], other) for other in gathered)
+
+
+def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
+    """Lightning's BoringModel (SGD + StepLR) trains unchanged under strategy="dash"."""
+    run = pl.Trainer(accelerator="cpu", devices=2, strategy="dash_spawn", max_steps=6,
+                     accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed",
+                     callbacks=[IdenticalAcrossRanks()], logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    run.fit(BoringModel())
+
+
+def test_single_device_run_converts_and_keeps_the_schedule(tmp_path):
+    model = BoringModel()
+    before = model.layer.weight.detach().clone()
+    run = pl.Trainer(accelerator="cpu", devices=1, strategy="dash", max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=tmp_path)
+    run.fit(model)
+    optimizer = run.optimizers[0]
+    assert isinstance(optimizer, DASH) and optimizer.grafting == "sgd"
+    # StepLR(step_size=1, gamma=0.1) stepped once per epoch: still 0.1 after 3 steps of epoch 0.
+    assert run.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+    assert not torch.equal(model.layer.weight, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [(dict(block_size=0), "block_size"), (dict(inverse_root_method="qr"), "inverse_root_method"),
+     (dict(communication_dtype=torch.int8), "communication_dtype"), (dict(epsilon=-1.0), "epsilon")],
+)
+def test_bad_strategy_option_is_a_clear_error(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DashStrategy(**kwargs)
+
+
+def test_unsupported_optimizer_is_named(tmp_path):
+    class LBFGSModel(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    run = pl.Trainer(accelerator="cpu", devices=1, strategy="dash", max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=tmp_path)
+    with pytest.raises(TypeError, match="LBFGS"):
+        run.fit(LBFGSModel())

@@ -267,3 +267,49 @@ def test_unsupported_optimizer_is_named(tmp_path):
                      default_root_dir=tmp_path)
     with pytest.raises(TypeError, match="LBFGS"):
         run.fit(LBFGSModel())
+
+
+class ScheduledModule(FinetuneModule):
+    """AdamW module trained with the DASH callbacks; checks what each rank's optimizer sees."""
+
+    def __init__(self, checkpoint_path: str) -> None:
+        super().__init__()
+        self.checkpoint_path = checkpoint_path
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        optimizer = self.trainer.optimizers[0]
+        step = self.trainer.global_step  # steps taken; the blend applied to step `step` was set before it
+        assert optimizer.param_groups[0]["shampoo_blend"] == pytest.approx(min(max((step - 1 - 2) / 4, 0.0), 1.0))
+        assert optimizer.param_groups[0]["precondition_frequency"] == (1 if step - 1 < 3 else 5)
+        assert optimizer.ownership_balance >= 1.0
+        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(gathered[0], other) for other in gathered)
+
+    def on_train_epoch_end(self):
+        pass
+
+    def on_train_end(self):
+        self.trainer.save_checkpoint(self.checkpoint_path)
+
+
+def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_dash.callbacks import DashMonitor, GraftingSchedule, PreconditionerSchedule
+
+    checkpoint = tmp_path / "scheduled.ckpt"
+    callbacks = [GraftingSchedule(start_step=2, span_steps=4), PreconditionerSchedule({0: 1, 3: 5}), DashMonitor()]
+    run = pl.Trainer(accelerator="cpu", devices=2, strategy=DashStrategy(start_method="spawn", block_size=16),
+                     max_steps=8, callbacks=callbacks, logger=CSVLogger(tmp_path, name="csv"),
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=tmp_path)
+    run.fit(ScheduledModule(str(checkpoint)))
+    saved = torch.load(checkpoint, weights_only=False)
+    states = {key.split("{")[0]: value for key, value in saved["callbacks"].items()}
+    assert set(states) >= {"GraftingSchedule", "PreconditionerSchedule"}
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    header, *rows = metrics.strip().splitlines()
+    assert "dash/optimizer_step_ms" in header and "dash/ownership_balance" in header
+    assert len(rows) >= 8

@@ -210,6 +210,7 @@ class DASH(torch.optim.Optimizer):
         )
         self.root_failure_count = 0
         self.nonfinite_grad_skips = 0
+        #: Largest Newton residual of the roots computed in the latest step (None if none were).
         self.last_root_residual: Optional[Tensor] = None
         self._layout: Optional[_Layout] = None
         self._distributor = distributor
@@ -510,6 +511,7 @@ class DASH(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         layout = self._current_layout()
+        self.last_root_residual = None
         active = self._active_params(layout)
         if not active:
             return loss

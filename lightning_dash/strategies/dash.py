@@ -173,6 +173,14 @@ class DashStrategy(DDPStrategy):
                     _track_scheduler_calls(new)
         self.optimizers = converted
 
+    @override
+    def teardown(self) -> None:
+        # Let every rank finish its last collective before any of them exits: a gloo peer
+        # leaving mid-exchange aborts the others.
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        super().teardown()
+
     def _convert(self, optimizer: Optimizer) -> DASH:
         dash = optimizer if isinstance(optimizer, DASH) else DASH.from_optimizer(optimizer, **self.dash_options)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:

@@ -30,6 +30,8 @@ class DashMonitor(Callback):
     - ``dash/root_residual``: the largest Newton residual of the latest root
       computation, only when the step computed roots with a residual.
     - ``dash/ownership_balance``: max/mean per-rank cost, when the optimizer has it.
+    - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic
+      of gradient synchronisation so far, when the strategy counts it (``DashStrategy``).
 
     Only logging steps synchronise the host with the device (the timing and the
     residual's ``.item()``); the other steps cost nothing.
@@ -94,6 +96,11 @@ class DashMonitor(Callback):
         balance = getattr(optimizer, "ownership_balance", None)
         if balance is not None:
             metrics["dash/ownership_balance"] = float(balance)
+        comm = getattr(trainer.strategy, "comm_stats", None)
+        if comm is not None and comm.steps:
+            stats = comm.as_dict()
+            metrics["dash/grad_sync_bytes_sent_per_step"] = stats["bytes_sent_per_step"]
+            metrics["dash/grad_sync_bytes_received_per_step"] = stats["bytes_received_per_step"]
         # The index Lightning gives this batch's own metrics (as LearningRateMonitor does).
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:

@@ -14,6 +14,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.distributed.demo import DemoSynchronizer
+from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import (
     MATRIX_SCALINGS,
@@ -78,6 +80,12 @@ class DashStrategy(DDPStrategy):
             user's optimizer or DASH's default.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
         communication_dtype: dtype of the all-gathered updates (float32 default).
+        gradient_sync: ``"allreduce"`` (DDP's averaging all-reduce, counted) or ``"demo"``
+            (DDP's all-reduce is switched off; DeMo exchanges the top-k DCT components of
+            each rank's local momentum and the decoded mean is what DASH sees as gradient;
+            DASH's own gradient momentum ``betas[0]`` is then set to 0).
+        demo_topk, demo_chunk_size, demo_momentum: DeMo's coefficients kept per chunk,
+            largest chunk side and momentum decay.
         **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -97,9 +105,23 @@ class DashStrategy(DDPStrategy):
         root_iterations: Optional[int] = None,
         factor_decay: Optional[float] = None,
         communication_dtype: Union[torch.dtype, str] = torch.float32,
+        gradient_sync: str = "allreduce",
+        demo_topk: int = 32,
+        demo_chunk_size: int = 64,
+        demo_momentum: float = 0.999,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
+        self.demo_options = dict(
+            topk=check_int("demo_topk", demo_topk, low=1),
+            chunk_size=check_int("demo_chunk_size", demo_chunk_size, low=1),
+            momentum=check_number("demo_momentum", demo_momentum, low=0.0, high=1.0, high_open=True),
+        )
+        self.comm_stats = CommStats()
+        #: Optimizer steps restored from a checkpoint (``comm_stats`` counts this run only).
+        self.resumed_steps = 0
+        self._demo: Optional[DemoSynchronizer] = None
         self.dash_options = _check_options(dict(
             block_size=block_size,
             precondition_frequency=precondition_frequency,
@@ -136,15 +158,60 @@ class DashStrategy(DDPStrategy):
         super().configure_ddp()
         # DDP synchronises only the parameters that required grad when it was built.
         self._ddp_synchronised = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if self.gradient_sync == "demo":
+            self._demo = DemoSynchronizer(**self.demo_options)
+            self.model.register_comm_hook(self.comm_stats, local_gradient_hook)
+        elif self.world_size > 1:
+            self.model.register_comm_hook(self.comm_stats, counting_allreduce_hook)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_with_late_parameters() -> Any:
             result = closure()
-            self._average_unsynchronised_gradients()
+            if self._demo is not None:
+                self._demo_synchronise()
+            else:
+                self._average_unsynchronised_gradients()
+            self.comm_stats.steps += 1
             return result
 
         return super().optimizer_step(optimizer, closure_with_late_parameters, model, **kwargs)
+
+    def _demo_synchronise(self) -> None:
+        """Replace every local gradient by DeMo's decoded mean of the ranks' fast components."""
+        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
+        keys = [i for i, p in enumerate(self.lightning_module.parameters()) if p.grad is not None]
+        synchronised = self._demo.synchronize([p.grad for p in params], keys)
+        for param, value in zip(params, synchronised):
+            param.grad.copy_(value)
+        self.comm_stats.record(self._demo.last_bytes_sent, self._demo.last_bytes_received)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # Every rank's DeMo momentum differs; rank 0 stores all of them (collective).
+        if self._demo is not None:
+            local = self._demo.state_dict()
+            if self.world_size > 1:
+                gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+                dist.gather_object(local, gathered, dst=0)
+            else:
+                gathered = [local]
+            if self.global_rank == 0:
+                checkpoint["demo_synchronizer_states"] = gathered
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        self.resumed_steps = int(checkpoint.get("global_step", 0))
+        states = checkpoint.get("demo_synchronizer_states")
+        if self._demo is not None and states is not None:
+            if len(states) != self.world_size:
+                raise ValueError(
+                    f"the checkpoint holds DeMo momenta of {len(states)} ranks but this run has {self.world_size}; "
+                    "resume DeMo runs on the same world size"
+                )
+            self._demo.load_state_dict(states[self.global_rank])
 
     def _average_unsynchronised_gradients(self) -> None:
         """Average the gradients DDP does not know about (parameters unfrozen after
@@ -183,6 +250,12 @@ class DashStrategy(DDPStrategy):
 
     def _convert(self, optimizer: Optimizer) -> DASH:
         dash = optimizer if isinstance(optimizer, DASH) else DASH.from_optimizer(optimizer, **self.dash_options)
+        if self.gradient_sync == "demo":
+            # DeMo's error-feedback accumulator already is the momentum of the signal DASH
+            # receives; a second momentum on top of it slows training (measured in
+            # benchmarks/demo_sync.py), so DASH steps on the decoded direction directly.
+            for group in dash.param_groups:
+                group["betas"] = (0.0, group["betas"][1])
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             dash.distributor = ProcessGroupDistributor(
                 communication_dtype=self.communication_dtype,

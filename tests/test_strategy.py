@@ -312,4 +312,5 @@ def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
     metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
     header, *rows = metrics.strip().splitlines()
     assert "dash/optimizer_step_ms" in header and "dash/ownership_balance" in header
+    assert "dash/grad_sync_bytes_sent_per_step" in header
     assert len(rows) >= 8

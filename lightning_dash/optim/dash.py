@@ -489,6 +489,7 @@ class DASH(torch.optim.Optimizer):
         saved_state = state_dict.pop("state")
         extra = state_dict.pop("dash", {})
         self._layout = None
+        self._consolidated = None
         super().load_state_dict({**state_dict, "state": {}})
         params = [p for group in self.param_groups for p in group["params"]]
         self.state.clear()

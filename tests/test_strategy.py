@@ -314,3 +314,13 @@ def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
     assert "dash/optimizer_step_ms" in header and "dash/ownership_balance" in header
     assert "dash/grad_sync_bytes_sent_per_step" in header
     assert len(rows) >= 8
+
+
+def test_registration_adds_dash_names_and_keeps_builtins():
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    for name, start_method in (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork")):
+        strategy = StrategyRegistry.get(name)
+        assert type(strategy) is DashStrategy and strategy._start_method == start_method
+    assert type(StrategyRegistry.get("ddp")) is DDPStrategy
+    lightning_dash.register_strategies()  # idempotent: a second import-time call must not raise

@@ -43,6 +43,14 @@ def adamw_with_schedule(parameters):
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
+def assert_identical_across_ranks(module: nn.Module, world_size: int) -> None:
+    """Every rank holds bit-for-bit the same parameters (collective)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], other) for other in gathered)
+
+
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The 16 samples of optimizer step ``step`` (cycling through the data set)."""
     start = (step % (SAMPLES // GLOBAL_BATCH)) * GLOBAL_BATCH
@@ -102,10 +110,7 @@ class ParityModule(pl.LightningModule):
             torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** (step // 2))
         if self.trainer.world_size > 1:
-            flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
-            dist.all_gather(gathered, flat)
-            assert all(torch.equal(gathered[0], other) for other in gathered)
+            assert_identical_across_ranks(self, self.trainer.world_size)
 
     def on_train_end(self):
         if self.checkpoint_path:  # inside the worker processes, where the optimizer state lives
@@ -201,10 +206,7 @@ class FinetuneModule(pl.LightningModule):
         changed = not torch.equal(self.net[0].weight, self.initial_first_layer)
         assert changed == (self.current_epoch >= 1)
         assert len(self.trainer.optimizers[0].param_groups) == (2 if self.current_epoch >= 1 else 1)
-        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
-        dist.all_gather(gathered, flat)
-        assert all(torch.equal(gathered[0], other) for other in gathered)
+        assert_identical_across_ranks(self, self.trainer.world_size)
 
 
 def test_base_finetuning_adds_groups_mid_training(tmp_path):
@@ -217,11 +219,8 @@ def test_base_finetuning_adds_groups_mid_training(tmp_path):
 class IdenticalAcrossRanks(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         assert isinstance(trainer.optimizers[0], DASH)
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        assert torch.isfinite(flat).all()
-        gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
-        dist.all_gather(gathered, flat)
-        assert all(torch.equal(gathered[0], other) for other in gathered)
+        assert all(torch.isfinite(p).all() for p in pl_module.parameters())
+        assert_identical_across_ranks(pl_module, trainer.world_size)
 
 
 def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
@@ -282,10 +281,7 @@ class ScheduledModule(FinetuneModule):
         assert optimizer.param_groups[0]["shampoo_blend"] == pytest.approx(min(max((step - 1 - 2) / 4, 0.0), 1.0))
         assert optimizer.param_groups[0]["precondition_frequency"] == (1 if step - 1 < 3 else 5)
         assert optimizer.ownership_balance >= 1.0
-        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(self.trainer.world_size)]
-        dist.all_gather(gathered, flat)
-        assert all(torch.equal(gathered[0], other) for other in gathered)
+        assert_identical_across_ranks(self, self.trainer.world_size)
 
     def on_train_epoch_end(self):
         pass

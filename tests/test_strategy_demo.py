@@ -7,13 +7,13 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dash  # noqa: F401
 from lightning_dash import DASH, DashStrategy
 from lightning_dash.distributed.demo import chunk_size_for
+from test_strategy import assert_identical_across_ranks
 
 
 def dataset() -> TensorDataset:
@@ -52,10 +52,7 @@ class SyncModule(pl.LightningModule):
         assert stats["steps"] == self.trainer.global_step - strategy.resumed_steps
         assert stats["bytes_sent_per_step"] == pytest.approx(self.expected_bytes_per_step)
         assert stats["bytes_received_per_step"] == pytest.approx(self.expected_bytes_per_step)
-        flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(gathered, flat)
-        assert torch.equal(gathered[0], gathered[1])
+        assert_identical_across_ranks(self, 2)
 
     def on_train_end(self):
         if self.output_path:

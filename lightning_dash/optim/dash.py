@@ -102,6 +102,12 @@ _GROUP_KEYS = frozenset({
 })
 
 
+def _roots_due(step: int, group: dict[str, Any]) -> bool:
+    """Whether a block at its ``step`` recomputes its roots: at start, start + f, ..."""
+    start = group["start_preconditioning_step"]
+    return step >= start and (step - start) % group["precondition_frequency"] == 0
+
+
 def _per_block(values: list[float], counts: list[int], device: torch.device) -> PerBlock:
     """One value per region expanded to one per block: a float when all agree."""
     first = values[0]
@@ -538,13 +544,11 @@ class DASH(torch.optim.Optimizer):
 
     def _roots_due_anywhere(self, layout: _Layout, active: set[int]) -> bool:
         """Whether any block of any rank recomputed its roots this step (known on every rank)."""
-        for index in active:
-            if layout.params[index].dim() >= 2:
-                group = self.param_groups[layout.group_of[index]]
-                start = group["start_preconditioning_step"]
-                if layout.steps[index] >= start and (layout.steps[index] - start) % group["precondition_frequency"] == 0:
-                    return True
-        return False
+        return any(
+            layout.params[index].dim() >= 2
+            and _roots_due(layout.steps[index], self.param_groups[layout.group_of[index]])
+            for index in active
+        )
 
     def _apply_gathered(self, layout: _Layout, gathered: list[Tensor]) -> None:
         """Add every rank's block updates to the parameters, in the same order on all ranks."""
@@ -661,11 +665,7 @@ class DASH(torch.optim.Optimizer):
         followed = self._update_momentum(state.ensure(MOMENTUM) if wants_momentum else None, grad, beta1)
         first_term = _blockwise(self._momentum_terms(steps, counts, betas1, device))
 
-        due_regions = [
-            k for k, (t, g) in enumerate(zip(steps, groups))
-            if t >= g["start_preconditioning_step"]
-            and (t - g["start_preconditioning_step"]) % g["precondition_frequency"] == 0
-        ]
+        due_regions = [k for k, (t, g) in enumerate(zip(steps, groups)) if _roots_due(t, g)]
         due = None
         if due_regions and len(due_regions) < len(plan.regions):
             due = torch.cat([

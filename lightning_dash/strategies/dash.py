@@ -179,8 +179,8 @@ class DashStrategy(DDPStrategy):
 
     def _demo_synchronise(self) -> None:
         """Replace every local gradient by DeMo's decoded mean of the ranks' fast components."""
-        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
-        keys = [i for i, p in enumerate(self.lightning_module.parameters()) if p.grad is not None]
+        keyed = [(i, p) for i, p in enumerate(self.lightning_module.parameters()) if p.grad is not None]
+        keys, params = [i for i, _ in keyed], [p for _, p in keyed]
         synchronised = self._demo.synchronize([p.grad for p in params], keys)
         for param, value in zip(params, synchronised):
             param.grad.copy_(value)

@@ -1,11 +1,14 @@
 # Two entry points: `make demo` runs the main job, `make test` runs the test suite.
-# Each creates the virtual environment in .venv on first use.
+# Each creates its virtual environments on first use: .venv (newest torch, Lightning)
+# and, for the Composer tests, .venv-composer (Composer pins torch < 2.7.1).
 PYTHON ?= python3
 VENV ?= .venv
+COMPOSER_VENV ?= .venv-composer
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+CPY := $(COMPOSER_VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-lightning test-composer bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,11 +20,22 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/quick_demo.py
 
-test: $(VENV)/.installed
+$(COMPOSER_VENV)/.installed: pyproject.toml
+	test -x $(CPY) || $(PYTHON) -m venv $(COMPOSER_VENV)
+	$(CPY) -m pip install --quiet --upgrade pip
+	$(CPY) -m pip install --quiet -e ".[composer,dev]"
+	touch $@
+
+test: test-lightning test-composer
+
+test-lightning: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+test-composer: $(COMPOSER_VENV)/.installed
+	$(CPY) -m pytest -q tests/composer
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solvers.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache

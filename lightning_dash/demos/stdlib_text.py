@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils.data import Dataset
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,25 @@ def load_stdlib_corpus(max_bytes: int = 4_000_000, validation_every: int = 10) -
             break
     as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
     return ByteCorpus(train=as_tensor(train), validation=as_tensor(validation))
+
+
+class RandomWindows(Dataset):
+    """``count`` windows of ``context`` bytes (inputs) and their next bytes (targets),
+    at offsets drawn once from a generator seeded with ``seed``: fixed and reproducible,
+    so runs with different optimizers or trainers see the same batches."""
+
+    def __init__(self, data: Tensor, context: int, count: int, seed: int) -> None:
+        if data.numel() <= context + 1:
+            raise ValueError(f"{data.numel()} bytes are too few for windows of {context}")
+        generator = torch.Generator().manual_seed(seed)
+        self.data = data
+        self.context = context
+        self.starts = torch.randint(0, data.numel() - context - 1, (count,), generator=generator)
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        start = int(self.starts[index])
+        window = self.data[start : start + self.context + 1].long()
+        return window[:-1], window[1:]

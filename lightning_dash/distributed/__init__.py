@@ -9,7 +9,7 @@ from lightning_dash.distributed.assignment import (
     plan_parameter_ownership,
     round_robin_parameters,
 )
-from lightning_dash.distributed.process_group import ProcessGroupDistributor
+from lightning_dash.distributed.process_group import ProcessGroupDistributor, shard_across_ranks
 
 __all__ = [
     "OwnershipPlan",
@@ -20,4 +20,5 @@ __all__ = [
     "plan_ownership",
     "plan_parameter_ownership",
     "round_robin_parameters",
+    "shard_across_ranks",
 ]

@@ -88,3 +88,18 @@ class ProcessGroupDistributor:
         dist.gather_object(obj, gathered, dst=dist.get_global_rank(self.process_group, 0)
                            if self.process_group is not None else 0, group=self.process_group)
         return gathered
+
+
+def shard_across_ranks(optimizer: Any, communication_dtype: torch.dtype = torch.float32) -> bool:
+    """Give ``optimizer`` (a DASH) a :class:`ProcessGroupDistributor` over the default
+    process group when one with several ranks is running; returns whether it did.
+
+    Both trainer integrations call this after converting the user's optimizer, so
+    Lightning and Composer runs share one ownership plan and one all-gather.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    optimizer.distributor = ProcessGroupDistributor(
+        communication_dtype=communication_dtype, root_iterations=optimizer.root_settings.iterations
+    )
+    return True

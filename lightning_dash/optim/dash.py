@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -221,6 +222,10 @@ class DASH(torch.optim.Optimizer):
         self._layout: Optional[_Layout] = None
         self._distributor = distributor
         self._consolidated: Optional[dict[int, dict[str, Tensor]]] = None
+        #: When True (and blocks are sharded), :meth:`state_dict` is collective: every rank
+        #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
+        #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
+        self.collective_state_dict = False
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
@@ -464,8 +469,14 @@ class DASH(torch.optim.Optimizer):
 
         Every statistic, root, momentum and step count is a per-parameter copy. With
         blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
-        (on every rank); the complete state is then returned on rank 0.
+        (on every rank); the complete state is then returned on rank 0. With
+        ``collective_state_dict`` set, this call consolidates by itself (every rank
+        must call it) and the other ranks get only the step counts.
         """
+        if self._is_sharded() and self.collective_state_dict:
+            self.consolidate_state_dict()
+            if self._distributor.rank != 0:
+                return super().state_dict()
         packed = super().state_dict()
         if self._is_sharded():
             if self._consolidated is None:
@@ -497,16 +508,21 @@ class DASH(torch.optim.Optimizer):
         self._layout = None
         self._consolidated = None
         super().load_state_dict({**state_dict, "state": {}})
-        params = [p for group in self.param_groups for p in group["params"]]
+        # As torch's optimizers do: the saved groups' parameter keys (indices, or names
+        # from torch.distributed.checkpoint) name the current parameters by position.
+        saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        params = dict(zip(saved_keys, (p for group in self.param_groups for p in group["params"])))
         self.state.clear()
         for key, entry in saved_state.items():
-            param = params[int(key)]
+            param = params[key]
             self.state[param] = {
                 name: value.to("cpu") if name == "step" else value.to(param.device)
                 for name, value in entry.items()
             }
-        self.root_failure_count = int(extra.get("root_failure_count", 0))
-        self.nonfinite_grad_skips = int(extra.get("nonfinite_grad_skips", 0))
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": without the
+        # "dash" entry the counters and grafting type stay as they are.
+        self.root_failure_count = int(extra.get("root_failure_count", self.root_failure_count))
+        self.nonfinite_grad_skips = int(extra.get("nonfinite_grad_skips", self.nonfinite_grad_skips))
         self.grafting = extra.get("grafting", self.grafting)
 
     # ------------------------------------------------------------------ step
@@ -519,8 +535,10 @@ class DASH(torch.optim.Optimizer):
                 loss = closure()
         layout = self._current_layout()
         self.last_root_residual = None
-        active = self._active_params(layout)
-        if not active:
+        active, all_zero = self._active_params(layout)
+        if not active or (all_zero and all(group["lr"] == 0 for group in self.param_groups)):
+            # Nothing can move: torch.distributed.checkpoint materialises an empty
+            # optimizer's state this way, and it must not advance any counter.
             return loss
         for index in active:
             layout.steps[index] += 1
@@ -558,21 +576,21 @@ class DASH(torch.optim.Optimizer):
                 update = flat[offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
                 self._apply(layout, plan, update)
 
-    def _active_params(self, layout: _Layout) -> set[int]:
-        """Indices of parameters with finite gradients; non-finite ones are skipped and counted."""
+    def _active_params(self, layout: _Layout) -> tuple[set[int], bool]:
+        """Indices of parameters with finite gradients (non-finite ones are skipped and
+        counted), and whether every gradient is exactly zero; one host read-back."""
         candidates = [i for i, p in enumerate(layout.params) if p.grad is not None]
         for index in candidates:
             if layout.params[index].grad.is_sparse:
                 raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
         if not candidates:
-            return set()
+            return set(), True
         grads = [layout.params[i].grad for i in candidates]
         device = grads[0].device
-        peaks = torch._foreach_norm(grads, float("inf"))
-        finite = torch.stack([peak.float().to(device) for peak in peaks]).isfinite().tolist()
-        skipped = finite.count(False)
-        self.nonfinite_grad_skips += skipped
-        return {index for index, ok in zip(candidates, finite) if ok}
+        peaks = torch.stack([peak.float().to(device) for peak in torch._foreach_norm(grads, float("inf"))]).tolist()
+        finite = [math.isfinite(peak) for peak in peaks]
+        self.nonfinite_grad_skips += finite.count(False)
+        return {index for index, ok in zip(candidates, finite) if ok}, not any(peaks)
 
     def _decay_weights(self, layout: _Layout, active: set[int]) -> None:
         for group_index, group in enumerate(self.param_groups):

@@ -123,3 +123,28 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+#: Checks of the DASH options a trainer integration may override when it converts the
+#: user's optimizer (the Lightning strategy and the Composer algorithm share them).
+_OVERRIDE_CHECKS = {
+    "block_size": lambda v: check_int("block_size", v, low=1),
+    "precondition_frequency": lambda v: check_int("precondition_frequency", v, low=1),
+    "start_preconditioning_step": lambda v: check_int("start_preconditioning_step", v, low=1),
+    "root_iterations": lambda v: check_int("root_iterations", v, low=1),
+    "inverse_root_method": lambda v: check_choice("inverse_root_method", v, INVERSE_ROOT_METHODS),
+    "matrix_scaling": lambda v: check_choice("matrix_scaling", v, MATRIX_SCALINGS),
+    "grafting": lambda v: check_choice("grafting", v, GRAFTING_TYPES),
+    "matmul_dtype": check_matmul_dtype,
+    "epsilon": lambda v: check_number("epsilon", v, low=0.0, low_open=True),
+    "factor_decay": lambda v: check_number("factor_decay", v, low=0.0, high=1.0),
+}
+
+
+def check_conversion_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """Validate DASH options given to a trainer integration; None means "keep the value
+    mapped from the user's optimizer" and is dropped. Unknown names raise ``TypeError``."""
+    unknown = sorted(set(options) - set(_OVERRIDE_CHECKS))
+    if unknown:
+        raise TypeError(f"unknown DASH option(s) {unknown}; known: {sorted(_OVERRIDE_CHECKS)}")
+    return {key: _OVERRIDE_CHECKS[key](value) for key, value in options.items() if value is not None}

@@ -1,0 +1,213 @@
+"""The ``Dash`` Composer algorithm in one process: the swap, the schedule, checkpoints,
+registration, monitoring and bad options. Runs in the Composer environment."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from composer import Callback, State
+from composer.callbacks import OptimizerMonitor
+from composer.loggers import Logger
+from composer.loggers import InMemoryLogger
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from composer_runs import (
+    BASE_LR,
+    DASH_OPTIONS,
+    RecordLearningRates,
+    assert_matches_reference,
+    build_model,
+    make_trainer,
+    named_parameters,
+    reference_parameters,
+    schedule_factor,
+)
+from lightning_dash import DASH
+from lightning_dash.composer import Dash, DashMonitor
+
+
+def parameters(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.state.model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "classifier"])
+def test_dash_trains_with_the_composer_schedule(kind: str) -> None:
+    lrs = RecordLearningRates()
+    trainer = make_trainer(kind, "6ba", callbacks=[lrs])
+    trainer.fit()
+    assert isinstance(trainer.state.optimizers[0], DASH)
+    # The Composer scheduler was compiled against DASH and drives its groups.
+    assert trainer.state.schedulers[0].optimizer is trainer.state.optimizers[0]
+    assert lrs.lrs == pytest.approx([BASE_LR * schedule_factor(b) for b in range(6)], rel=1e-12)
+    # Independent expectation: DASH stepped by hand on the same batches and schedule.
+    assert_matches_reference(named_parameters(trainer.state.model), reference_parameters(kind, 6),
+                             rtol=1e-5, atol=1e-6)
+    trainer.close()
+
+
+def test_resume_from_a_composer_checkpoint_continues_exactly(tmp_path: Path) -> None:
+    uninterrupted = make_trainer("gpt", "8ba", save_folder=tmp_path / "full")
+    uninterrupted.fit()
+    expected = parameters(uninterrupted)
+    expected_state = uninterrupted.state.optimizers[0].state_dict()
+    uninterrupted.close()
+
+    first = make_trainer("gpt", "8ba", save_folder=tmp_path / "first")
+    first.fit(duration="4ba")
+    first.close()
+    resumed = make_trainer("gpt", "8ba", load_path=str(tmp_path / "first" / "ep0-ba4-rank0.pt"))
+    assert resumed.state.timestamp.batch.value == 4
+    resumed.fit()
+    for ours, theirs in zip(parameters(resumed), expected):
+        assert torch.equal(ours, theirs)
+    state = resumed.state.optimizers[0].state_dict()["state"]
+    for key, entry in expected_state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(state[key][name], value), (key, name)
+    resumed.close()
+
+
+def test_autoresume_picks_up_the_latest_checkpoint(tmp_path: Path) -> None:
+    reference = make_trainer("classifier", "8ba")
+    reference.fit()
+    expected = parameters(reference)
+    reference.close()
+
+    folder = tmp_path / "checkpoints"
+    interrupted = make_trainer("classifier", "5ba", save_folder=folder, run_name="auto", autoresume=True)
+    interrupted.fit()
+    interrupted.close()
+    resumed = make_trainer("classifier", "8ba", save_folder=folder, run_name="auto", autoresume=True)
+    assert resumed.state.timestamp.batch.value == 5  # Composer also saves when a run ends
+    resumed.fit()
+    for ours, theirs in zip(parameters(resumed), expected):
+        assert torch.equal(ours, theirs)
+    resumed.close()
+
+
+def test_distributed_checkpoint_api_on_a_fresh_dash_changes_nothing() -> None:
+    """``get_optimizer_state_dict`` runs a zero-gradient, zero-lr step on an optimizer
+    without state; DASH must come out of it as if untouched."""
+    model = build_model("gpt")
+    touched = DASH(model.parameters(), lr=0.01, **DASH_OPTIONS)
+    before = [p.detach().clone() for p in model.parameters()]
+    saved = get_optimizer_state_dict(model, touched)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(float(entry["step"]) == 0 for entry in saved["state"].values())
+    assert all(p.grad is None for p in model.parameters())
+
+    twin = build_model("gpt")
+    untouched = DASH(twin.parameters(), lr=0.01, **DASH_OPTIONS)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (4, 24), generator=generator)
+    batch = (tokens, torch.randint(0, 256, (4, 24), generator=generator))
+    for step in range(3):
+        for net, optimizer in ((model, touched), (twin, untouched)):
+            optimizer.zero_grad()
+            net.loss(net(batch), batch).backward()
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_distributed_checkpoint_round_trip_restores_every_statistic() -> None:
+    model = build_model("gpt")
+    optimizer = DASH(model.parameters(), lr=0.01, **DASH_OPTIONS)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (4, 24), generator=generator)
+        batch = (tokens, torch.roll(tokens, -1, dims=1))
+        optimizer.zero_grad()
+        model.loss(model(batch), batch).backward()
+        optimizer.step()
+    saved = get_optimizer_state_dict(model, optimizer)
+
+    fresh_model = build_model("gpt")
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = DASH(fresh_model.parameters(), lr=0.01, **DASH_OPTIONS)
+    set_optimizer_state_dict(fresh_model, fresh, saved)
+    again = get_optimizer_state_dict(fresh_model, fresh)
+    assert again["state"].keys() == saved["state"].keys()
+    for name, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(again["state"][name][key]), torch.as_tensor(value)), (name, key)
+
+
+def test_entry_point_resolves_to_dash() -> None:
+    points = {point.name: point for point in importlib.metadata.entry_points(group="llmfoundry_algorithms")}
+    assert points["dash"].load() is Dash
+    callbacks = {point.name: point for point in importlib.metadata.entry_points(group="llmfoundry_callbacks")}
+    assert callbacks["dash_monitor"].load() is DashMonitor
+    # llm-foundry builds algorithms from YAML keyword arguments.
+    algorithm = points["dash"].load()(**{"block_size": 512, "matmul_dtype": "bfloat16", "grafting": "sgd"})
+    assert algorithm.options == {"block_size": 512, "matmul_dtype": torch.bfloat16, "grafting": "sgd"}
+
+
+@pytest.mark.parametrize(("options", "error", "name"), [
+    ({"block_size": 0}, ValueError, "block_size"),
+    ({"inverse_root_method": "svd"}, ValueError, "inverse_root_method"),
+    ({"epsilon": -1.0}, ValueError, "epsilon"),
+    ({"matmul_dtype": "int8"}, ValueError, "matmul_dtype"),
+    ({"communication_dtype": "float64"}, ValueError, "communication_dtype"),
+    ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
+])
+def test_bad_options_name_the_argument(options: dict, error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        Dash(**options)
+
+
+def test_unknown_option_is_rejected() -> None:
+    with pytest.raises(TypeError, match="blocksize"):
+        Dash(blocksize=3)
+
+
+def test_an_unconvertible_optimizer_fails_at_init() -> None:
+    model = build_model("classifier")
+    from composer import Trainer
+
+    with pytest.raises(ValueError, match="amsgrad"):
+        Trainer(model=model, optimizers=torch.optim.Adam(model.parameters(), amsgrad=True),
+                algorithms=[Dash()], device="cpu", progress_bar=False)
+
+
+class RecordGradientNorms(Callback):
+    """The global gradient norm once backward is complete, before the optimizer step."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        self.norms.append(math.sqrt(sum(float(g.norm()) ** 2 for g in grads)))
+
+
+def test_monitors_log_through_composer() -> None:
+    memory = InMemoryLogger()
+    norms = RecordGradientNorms()
+    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashMonitor(log_interval=2),
+                                                    OptimizerMonitor(batch_log_interval=1)], loggers=[memory])
+    trainer.fit()
+    step_ms = memory.data["dash/optimizer_step_ms"]
+    assert [timestamp.batch.value for timestamp, _ in step_ms] == [2, 4]
+    assert all(value > 0 for _, value in step_ms)
+    assert [value for _, value in memory.data["dash/root_failures"]] == [0.0, 0.0]
+    assert [value for _, value in memory.data["dash/ownership_balance"]] == [1.0, 1.0]
+    # OptimizerMonitor still works: it reports the gradients the step used, every batch.
+    logged = [value for _, value in memory.data["l2_norm/grad/global"]]
+    assert logged == pytest.approx(norms.norms, rel=1e-5)
+    assert all(norm > 0 for norm in logged)
+    trainer.close()
+
+
+def test_monitor_without_dash_is_a_clear_error() -> None:
+    model = build_model("classifier")
+    from composer import Trainer
+
+    trainer = Trainer(model=model, callbacks=[DashMonitor()], device="cpu", progress_bar=False,
+                      train_dataloader=torch.utils.data.DataLoader([(torch.zeros(16, dtype=torch.long), 0)] * 2),
+                      max_duration="1ba")
+    with pytest.raises(RuntimeError, match="DashMonitor needs DASH"):
+        trainer.fit()

@@ -30,7 +30,14 @@ def tiles(rows: int, cols: int, block: int) -> list[tuple[slice, slice]]:
 
 @dataclass
 class ReferenceDash:
-    """Hyperparameters mirror the DASH constructor; only Adam grafting or none."""
+    """Hyperparameters mirror the DASH constructor; only Adam grafting or none.
+
+    ``root_delay`` (default 0: roots are used in the step that computes them) models
+    asynchronous preconditioning with every swap at its deadline: roots computed from
+    the statistics of step ``t`` are used from step ``t + root_delay``, or from the next
+    step that computes roots if that comes first; until a block's first roots arrive it
+    follows the grafting direction.
+    """
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
@@ -42,6 +49,7 @@ class ReferenceDash:
     grafting: str = "adam"
     grafting_beta2: float = 0.95
     grafting_epsilon: float = 1e-8
+    root_delay: int = 0
     state: dict = field(default_factory=dict)
 
     def step(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -77,18 +85,26 @@ class ReferenceDash:
                 "t": 0, "m": torch.zeros_like(g), "v": torch.zeros_like(g),
                 "L": torch.zeros(g.shape[0], g.shape[0], dtype=torch.float64),
                 "R": torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64),
-                "Lr": None, "Rr": None,
+                "Lr": None, "Rr": None, "pending": None,
             })
             st["t"] += 1
             t, b2 = st["t"], self.betas[1]
+            start, freq = self.start_preconditioning_step, self.precondition_frequency
+            due = t >= start and (t - start) % freq == 0
+            if st["pending"] is not None and (due or t >= st["pending"][0]):
+                _, st["Lr"], st["Rr"] = st["pending"]
+                st["pending"] = None
             st["L"] = b2 * st["L"] + (1 - b2) * g @ g.T
             st["R"] = b2 * st["R"] + (1 - b2) * g.T @ g
             m_hat, adam = self._adam_direction(st, g, t)
-            start, freq = self.start_preconditioning_step, self.precondition_frequency
-            if t >= start and (t - start) % freq == 0:
+            if due:
                 correction = 1 - b2**t if b2 < 1 else 1.0
-                st["Lr"] = inverse_fourth_root(st["L"] / correction, self.epsilon)
-                st["Rr"] = inverse_fourth_root(st["R"] / correction, self.epsilon)
+                left = inverse_fourth_root(st["L"] / correction, self.epsilon)
+                right = inverse_fourth_root(st["R"] / correction, self.epsilon)
+                if self.root_delay == 0:
+                    st["Lr"], st["Rr"] = left, right
+                else:
+                    st["pending"] = (t + self.root_delay, left, right)
             if t >= start and st["Lr"] is not None:
                 shampoo = st["Lr"] @ m_hat @ st["Rr"]
                 if self.grafting == "adam":

@@ -306,6 +306,30 @@ def test_monitor_counts_skipped_nonfinite_gradients_and_omits_missing_residual(t
     assert [bool(rows[s]["dash/root_residual"]) for s in (0, 2, 3)] == [True, False, True]
 
 
+def test_monitor_logs_asynchronous_root_counters(tmp_path):
+    class Quiet(TinyModule):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            pass  # TinyModule reads state_dict() here, which would swap pending roots in early
+
+    def emulate(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0]._pipeline.emulate = True  # CPU stand-in for the side stream
+
+    logger = CSVLogger(tmp_path, name="async")
+    fit(tmp_path, 4, [LambdaCallback(on_train_start=emulate), DashMonitor()],
+        module=Quiet(async_preconditioning=True), logger=logger)
+    rows = [row for row in read_metrics(logger) if row.get("dash/optimizer_step_ms")]
+    # Frequency 1, staleness 1: the roots of step t are swapped in at step t + 1, found ready.
+    assert [float(row["dash/async_roots_hidden"]) for row in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert all(float(row["dash/async_roots_waited"]) == 0.0 for row in rows)
+    assert all(float(row["dash/async_wait_ms"]) == 0.0 for row in rows)
+    # The residual is that of the roots swapped in, so the first step has none.
+    assert [bool(row["dash/root_residual"]) for row in rows] == [False, True, True, True]
+
+    plain = CSVLogger(tmp_path, name="sync")
+    fit(tmp_path, 1, [DashMonitor()], logger=plain)
+    assert not any(key.startswith("dash/async") for key in read_metrics(plain)[0])
+
+
 def test_monitor_without_logger_logs_nothing(tmp_path):
     monitor = DashMonitor()
     with pytest.warns(UserWarning, match="no logger"):

@@ -30,6 +30,10 @@ class DashMonitor(Callback):
     - ``dash/root_residual``: the largest Newton residual of the latest root
       computation, only when the step computed roots with a residual.
     - ``dash/ownership_balance``: max/mean per-rank cost, when the optimizer has it.
+    - ``dash/async_roots_hidden``, ``dash/async_roots_waited`` and ``dash/async_wait_ms``,
+      with ``async_preconditioning``: root launches swapped in without waiting, launches
+      the main stream waited for, and the device time it stalled in those waits
+      (cumulative, this rank's; all zero off CUDA, where roots are synchronous).
     - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic
       of gradient synchronisation so far, when the strategy counts it (``DashStrategy``).
 
@@ -93,6 +97,10 @@ class DashMonitor(Callback):
         residual = optimizer.last_root_residual
         if residual is not None:
             metrics["dash/root_residual"] = float(residual.item())
+        if getattr(optimizer, "async_preconditioning", False):
+            metrics["dash/async_roots_hidden"] = float(optimizer.async_roots_hidden)
+            metrics["dash/async_roots_waited"] = float(optimizer.async_roots_waited)
+            metrics["dash/async_wait_ms"] = float(optimizer.async_wait_ms)
         balance = getattr(optimizer, "ownership_balance", None)
         if balance is not None:
             metrics["dash/ownership_balance"] = float(balance)

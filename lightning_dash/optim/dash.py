@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_dash.optim.async_roots import RootPipeline
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, dash_group_settings
 from lightning_dash.optim.distributor import BlockDistributor
@@ -19,7 +20,7 @@ from lightning_dash.optim.grafting import (
     update_second_moment,
     uses_second_moment,
 )
-from lightning_dash.optim.roots import RootSettings, inverse_root
+from lightning_dash.optim.roots import RootResult, RootSettings, inverse_root
 from lightning_dash.optim.state import (
     MOMENTUM,
     ROOT_FAILURES,
@@ -29,7 +30,13 @@ from lightning_dash.optim.state import (
     export_stack,
     import_stack,
 )
-from lightning_dash.optim.validation import check_choice, check_group, check_optimizer_options
+from lightning_dash.optim.validation import (
+    check_async_preconditioning,
+    check_choice,
+    check_group,
+    check_max_staleness,
+    check_optimizer_options,
+)
 
 PerBlock = Union[float, Tensor]
 
@@ -94,6 +101,31 @@ class _StackWork:
     groups: list[dict[str, Any]]
     due: Optional[Tensor]
     due_regions: list[int]
+
+
+@dataclass
+class _RootRequest:
+    """One batched solver call: every due factor of one size (a fresh, bias-corrected copy)."""
+
+    inputs: Tensor
+    eps: Tensor
+    pieces: list[tuple[int, str]]  # (target, "left" | "right") of each consecutive piece
+    counts: list[int]  # blocks in each piece
+
+
+@dataclass
+class _RootJob:
+    """The roots due in one step: solver calls, and the (state, blocks) each result goes to."""
+
+    targets: list[tuple[StackState, Optional[Tensor]]]
+    requests: list[_RootRequest]
+
+
+def _stack_positions(work: _StackWork) -> Optional[Tensor]:
+    """Positions in the whole stack of the work's due blocks (None: every block)."""
+    if work.index is None:
+        return work.due
+    return work.index if work.due is None else work.index[work.due]
 
 
 #: Options DASH keeps per parameter group (everything else is optimizer-wide).
@@ -166,6 +198,13 @@ class DASH(torch.optim.Optimizer):
         chebyshev_degree: degree of the Chebyshev interpolant.
         max_consecutive_root_failures: raise :class:`RootComputationError` once a
             block's root has failed this many times in a row (None: never raise).
+        distributor: block ownership across data-parallel ranks (None: own every block).
+        async_preconditioning: on CUDA, compute due roots on a side stream and use them
+            from a later step (see :mod:`lightning_dash.optim.async_roots`); roots computed
+            from the statistics of step ``t`` are used from step ``t + 1`` at the earliest
+            and ``t + max_staleness`` at the latest. Off CUDA this is the synchronous path.
+        max_staleness: the latest step (counted from the computation's step) at which new
+            roots must be used; the main stream waits for them there.
     """
 
     def __init__(
@@ -190,6 +229,8 @@ class DASH(torch.optim.Optimizer):
         chebyshev_degree: int = 40,
         max_consecutive_root_failures: Optional[int] = 3,
         distributor: Optional[BlockDistributor] = None,
+        async_preconditioning: bool = False,
+        max_staleness: int = 1,
     ) -> None:
         options = check_optimizer_options(dict(
             block_size=block_size,
@@ -226,6 +267,9 @@ class DASH(torch.optim.Optimizer):
         #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
         #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
         self.collective_state_dict = False
+        self.async_preconditioning: bool = check_async_preconditioning(async_preconditioning)
+        self.max_staleness: int = check_max_staleness(max_staleness)
+        self._pipeline = RootPipeline(self.max_staleness)
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
@@ -298,6 +342,7 @@ class DASH(torch.optim.Optimizer):
     # ------------------------------------------------------------------ layout
     def _retire_layout(self) -> None:
         """Move stacked state back into ``self.state`` so the layout can be rebuilt."""
+        self._settle_async(collective=False)
         layout = self.__dict__.get("_layout")
         if layout is None:
             return
@@ -454,8 +499,13 @@ class DASH(torch.optim.Optimizer):
 
         Collective: call it on every rank (Lightning's strategies do before saving).
         """
+        self._settle_async(collective=True)
         if not self._is_sharded():
             return
+        if self._layout is None and any(len(entry) > 1 for entry in self.state.values()):
+            # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
+            # every rank holds whole): stack them first, so each rank reports only its blocks.
+            self._current_layout()
         local = {
             key: {name: value.cpu() for name, value in entry.items()}
             for key, entry in self._local_state(include_vectors=self._distributor.rank == 0).items()
@@ -473,6 +523,7 @@ class DASH(torch.optim.Optimizer):
         ``collective_state_dict`` set, this call consolidates by itself (every rank
         must call it) and the other ranks get only the step counts.
         """
+        self._settle_async(collective=False)
         if self._is_sharded() and self.collective_state_dict:
             self.consolidate_state_dict()
             if self._distributor.rank != 0:
@@ -489,6 +540,9 @@ class DASH(torch.optim.Optimizer):
             local = self._local_state()
         for key, entry in local.items():
             packed["state"][key] = {**packed["state"].get(key, {}), **entry}
+        for key, entry in packed["state"].items():
+            if isinstance(entry.get("step"), Tensor):  # a copy: the live counter keeps counting
+                packed["state"][key] = {**entry, "step": entry["step"].clone()}
         packed["dash"] = {
             "root_failure_count": self.root_failure_count,
             "nonfinite_grad_skips": self.nonfinite_grad_skips,
@@ -502,6 +556,7 @@ class DASH(torch.optim.Optimizer):
         Tensors keep their saved dtype (statistics stay float32 for low-precision
         parameters); the stacks are rebuilt at the next step.
         """
+        self._pipeline.discard()
         state_dict = dict(state_dict)
         saved_state = state_dict.pop("state")
         extra = state_dict.pop("dash", {})
@@ -546,8 +601,18 @@ class DASH(torch.optim.Optimizer):
         self._decay_weights(layout, active)
         for vector in layout.vectors:
             self._step_vectors(layout, vector, active)
+        roots_due = self._roots_due_anywhere(layout, active)
+        pipeline = self._pipeline if self._uses_pipeline(layout) else None
+        # Asynchronous roots swap in before any statistics move (and before blocks are copied out).
+        close = pipeline is not None and pipeline.begin_step(roots_due, self._install_roots)
         works = [work for stack in layout.stacks if (work := self._begin_stack(layout, stack, active))]
-        failures = self._compute_roots(works)
+        failures: list[Tensor] = []
+        if pipeline is None:
+            failures = self._compute_roots(works)
+        elif roots_due:
+            job = self._root_job(works, whole_stacks=True)
+            snapshots = [t for request in job.requests for t in (request.inputs, request.eps)]
+            pipeline.launch(job, snapshots, lambda: self._solve_roots(job), layout.params[0].device)
         updates = None
         if layout.exchange is not None:
             device = layout.params[0].device
@@ -556,9 +621,46 @@ class DASH(torch.optim.Optimizer):
             self._finish_stack(layout, work, updates)
         if updates is not None:
             self._apply_gathered(layout, self._distributor.all_gather(updates))
-        if self._roots_due_anywhere(layout, active):
-            self._check_failures(layout, works, failures)
+        if pipeline is None and roots_due:
+            self._check_failures(layout, [work.stack for work in works], failures)
+        elif close:
+            self._check_failures(layout, layout.stacks, pipeline.take_failures())
         return loss
+
+    # ------------------------------------------------------------------ asynchronous roots
+    @property
+    def async_roots_hidden(self) -> int:
+        """Asynchronous root launches swapped in without the main stream waiting (this rank)."""
+        return self._pipeline.hidden
+
+    @property
+    def async_roots_waited(self) -> int:
+        """Asynchronous root launches the main stream had to wait for (this rank)."""
+        return self._pipeline.waited
+
+    @property
+    def async_wait_ms(self) -> float:
+        """Device milliseconds the main stream stalled waiting for side-stream roots
+        (CUDA timing events around each wait; a stall counts once it has completed)."""
+        return self._pipeline.wait_ms
+
+    def _uses_pipeline(self, layout: _Layout) -> bool:
+        """Asynchronous roots: the option is on and the parameters are on CUDA (the same
+        answer on every rank, so collectives stay in step)."""
+        return (self.async_preconditioning and bool(layout.params)
+                and self._pipeline.handles(layout.params[0].device))
+
+    def _settle_async(self, collective: bool) -> None:
+        """Swap pending asynchronous roots in now (waiting if needed), so that saved or
+        exported state holds them. ``collective``: every rank calls this together, so
+        the launch is closed and its failures counted here (a collective when sharded);
+        otherwise that happens at the launch's usual step."""
+        pipeline = self.__dict__.get("_pipeline")
+        if pipeline is None or not pipeline.pending:
+            return
+        if pipeline.settle(self._install_roots, close=collective or not self._is_sharded()):
+            layout = self._current_layout()
+            self._check_failures(layout, layout.stacks, pipeline.take_failures())
 
     def _roots_due_anywhere(self, layout: _Layout, active: set[int]) -> bool:
         """Whether any block of any rank recomputed its roots this step (known on every rank)."""
@@ -718,45 +820,63 @@ class DASH(torch.optim.Optimizer):
         Returns per-stack ``[failed blocks, longest failure streak]`` tensors (not yet
         read back), empty when no root was due.
         """
-        jobs: dict[int, list[tuple[_StackWork, str, Tensor, Tensor]]] = {}
+        job = self._root_job(works, whole_stacks=False)
+        return self._install_roots(job, self._solve_roots(job))
+
+    def _root_job(self, works: list[_StackWork], whole_stacks: bool) -> _RootJob:
+        """The due factors of ``works`` (bias-corrected copies), one request per size.
+
+        Results go to each work's own state (``whole_stacks=False``, this step) or to
+        its stack's full state (``True``: installed at a later step, after the work's
+        blocks have been written back).
+        """
+        targets: list[tuple[StackState, Optional[Tensor]]] = []
+        sizes: dict[int, tuple[list[Tensor], list[Tensor], list[tuple[int, str]]]] = {}
         for work in works:
             if not work.due_regions:
                 continue
             left, right, eps = self._root_inputs(work)
-            jobs.setdefault(left.shape[1], []).append((work, "left", left, eps))
-            jobs.setdefault(right.shape[1], []).append((work, "right", right, eps))
-        results: dict[tuple[int, str], Tensor] = {}
-        residuals = []
-        for size_jobs in jobs.values():
-            solved = inverse_root(
-                torch.cat([job[2] for job in size_jobs]), torch.cat([job[3] for job in size_jobs]), 4,
-                self.root_settings,
-            )
-            if solved.residual is not None:
-                residuals.append(solved.residual.max())
-            pieces = solved.root.split([job[2].shape[0] for job in size_jobs])
-            for (work, side, _, _), piece in zip(size_jobs, pieces):
-                results[(id(work), side)] = piece
-        self.last_root_residual = torch.stack(residuals).max() if residuals else None
-        failures = []
-        for work in works:
-            if work.due_regions:
-                failures.append(self._accept_roots(work, results[(id(work), "left")], results[(id(work), "right")]))
-        return failures
+            target = len(targets)
+            targets.append((work.stack.state, _stack_positions(work)) if whole_stacks else (work.state, work.due))
+            for side, factor in (("left", left), ("right", right)):
+                factors, epsilons, pieces = sizes.setdefault(factor.shape[1], ([], [], []))
+                factors.append(factor)
+                epsilons.append(eps)
+                pieces.append((target, side))
+        requests = [
+            _RootRequest(torch.cat(factors), torch.cat(epsilons), pieces, [f.shape[0] for f in factors])
+            for factors, epsilons, pieces in sizes.values()
+        ]
+        return _RootJob(targets, requests)
 
-    def _accept_roots(self, work: _StackWork, left: Tensor, right: Tensor) -> Tensor:
+    def _solve_roots(self, job: _RootJob) -> list[RootResult]:
+        """The inverse fourth roots of every request (on whichever stream is current)."""
+        return [inverse_root(request.inputs, request.eps, 4, self.root_settings) for request in job.requests]
+
+    def _install_roots(self, job: _RootJob, solved: list[RootResult]) -> list[Tensor]:
+        """Accept solved roots into their targets; returns their failure tensors."""
+        residuals = [result.residual.max() for result in solved if result.residual is not None]
+        self.last_root_residual = torch.stack(residuals).max() if residuals else None
+        pieces: dict[tuple[int, str], Tensor] = {}
+        for request, result in zip(job.requests, solved):
+            pieces.update(zip(request.pieces, result.root.split(request.counts)))
+        return [
+            self._accept_roots(state, due, pieces[(target, "left")], pieces[(target, "right")])
+            for target, (state, due) in enumerate(job.targets)
+        ]
+
+    @staticmethod
+    def _accept_roots(state: StackState, due: Optional[Tensor], left: Tensor, right: Tensor) -> Tensor:
         """Keep new roots where both factors are finite; otherwise keep the previous ones."""
-        state = work.state
         ok = torch.isfinite(left).all(dim=(1, 2)) & torch.isfinite(right).all(dim=(1, 2))
         select = ok[:, None, None]
-        if work.due is None:
+        if due is None:
             state.left_root.copy_(torch.where(select, left, state.left_root))
             state.right_root.copy_(torch.where(select, right, state.right_root))
             state.root_valid.logical_or_(ok)
             state.root_failures.copy_(torch.where(ok, 0, state.root_failures + 1))
             streak = state.root_failures
         else:
-            due = work.due
             state.left_root.index_copy_(0, due, torch.where(select, left, state.left_root[due]))
             state.right_root.index_copy_(0, due, torch.where(select, right, state.right_root[due]))
             state.root_valid.index_copy_(0, due, state.root_valid[due] | ok)
@@ -820,8 +940,9 @@ class DASH(torch.optim.Optimizer):
                 region.window(dense).copy_(region.tiles(update))
                 param.add_(dense.view(param.shape))
 
-    def _check_failures(self, layout: _Layout, works: list[_StackWork], failures: list[Tensor]) -> None:
-        """Count failed roots over all ranks; raise once a block's streak reaches the limit.
+    def _check_failures(self, layout: _Layout, stacks: list[_Stack], failures: list[Tensor]) -> None:
+        """Count failed roots over all ranks; raise once a block's streak reaches the limit
+        (naming the parameter when one of ``stacks`` holds the block).
 
         With several ranks this is collective, so every rank raises together.
         """
@@ -836,9 +957,9 @@ class DASH(torch.optim.Optimizer):
         limit = self.max_consecutive_root_failures
         if limit is None or int(summary[1]) < limit:
             return
-        for work in works:
-            streaks = work.stack.state.root_failures.cpu()
-            for region in work.stack.plan.regions:
+        for stack in stacks:
+            streaks = stack.state.root_failures.cpu()
+            for region in stack.plan.regions:
                 block = region.stack_offset
                 if int(streaks[block : block + region.num_blocks].max()) >= limit:
                     raise RootComputationError(

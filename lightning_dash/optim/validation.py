@@ -138,6 +138,8 @@ _OVERRIDE_CHECKS = {
     "matmul_dtype": check_matmul_dtype,
     "epsilon": lambda v: check_number("epsilon", v, low=0.0, low_open=True),
     "factor_decay": lambda v: check_number("factor_decay", v, low=0.0, high=1.0),
+    "async_preconditioning": lambda v: check_async_preconditioning(v),
+    "max_staleness": lambda v: check_max_staleness(v),
 }
 
 
@@ -148,3 +150,17 @@ def check_conversion_overrides(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"unknown DASH option(s) {unknown}; known: {sorted(_OVERRIDE_CHECKS)}")
     return {key: _OVERRIDE_CHECKS[key](value) for key, value in options.items() if value is not None}
+
+
+def check_async_preconditioning(value: Any) -> bool:
+    """``async_preconditioning`` must be a bool (ValueError otherwise, as the option's spec asks)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"async_preconditioning must be True or False, got {value!r}")
+    return value
+
+
+def check_max_staleness(value: Any) -> int:
+    """``max_staleness``: optimizer steps a computed root may wait before it must be used (int >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_staleness must be an integer >= 1, got {value!r}")
+    return int(value)

@@ -13,36 +13,17 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.distributed.demo import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import (
-    MATRIX_SCALINGS,
     check_choice,
+    check_conversion_overrides,
     check_int,
     check_matmul_dtype,
     check_number,
 )
-from lightning_dash.optim.grafting import GRAFTING_TYPES
-from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
-
-
-def _check_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Validate the DASH options a strategy passes on (None means: keep the mapping's value)."""
-    checks = {
-        "block_size": lambda v: check_int("block_size", v, low=1),
-        "precondition_frequency": lambda v: check_int("precondition_frequency", v, low=1),
-        "start_preconditioning_step": lambda v: check_int("start_preconditioning_step", v, low=1),
-        "root_iterations": lambda v: check_int("root_iterations", v, low=1),
-        "inverse_root_method": lambda v: check_choice("inverse_root_method", v, INVERSE_ROOT_METHODS),
-        "matrix_scaling": lambda v: check_choice("matrix_scaling", v, MATRIX_SCALINGS),
-        "grafting": lambda v: check_choice("grafting", v, GRAFTING_TYPES),
-        "matmul_dtype": check_matmul_dtype,
-        "epsilon": lambda v: check_number("epsilon", v, low=0.0, low_open=True),
-        "factor_decay": lambda v: check_number("factor_decay", v, low=0.0, high=1.0),
-    }
-    return {key: checks[key](value) for key, value in options.items() if value is not None}
 
 
 def _track_scheduler_calls(optimizer: Optimizer) -> None:
@@ -79,6 +60,9 @@ class DashStrategy(DDPStrategy):
         root_iterations: DASH options; None keeps the value mapped from the
             user's optimizer or DASH's default.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
+        async_preconditioning, max_staleness: compute each rank's due roots on a side CUDA
+            stream and swap them in at most ``max_staleness`` steps later (see
+            :class:`~lightning_dash.optim.DASH`); off CUDA training is unchanged.
         communication_dtype: dtype of the all-gathered updates (float32 default).
         gradient_sync: ``"allreduce"`` (DDP's averaging all-reduce, counted) or ``"demo"``
             (DDP's all-reduce is switched off; DeMo exchanges the top-k DCT components of
@@ -104,6 +88,8 @@ class DashStrategy(DDPStrategy):
         epsilon: Optional[float] = None,
         root_iterations: Optional[int] = None,
         factor_decay: Optional[float] = None,
+        async_preconditioning: Optional[bool] = None,
+        max_staleness: Optional[int] = None,
         communication_dtype: Union[torch.dtype, str] = torch.float32,
         gradient_sync: str = "allreduce",
         demo_topk: int = 32,
@@ -122,7 +108,7 @@ class DashStrategy(DDPStrategy):
         #: Optimizer steps restored from a checkpoint (``comm_stats`` counts this run only).
         self.resumed_steps = 0
         self._demo: Optional[DemoSynchronizer] = None
-        self.dash_options = _check_options(dict(
+        self.dash_options = check_conversion_overrides(dict(
             block_size=block_size,
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step,
@@ -133,6 +119,8 @@ class DashStrategy(DDPStrategy):
             epsilon=epsilon,
             root_iterations=root_iterations,
             factor_decay=factor_decay,
+            async_preconditioning=async_preconditioning,
+            max_staleness=max_staleness,
         ))
         try:
             self.communication_dtype = check_matmul_dtype(communication_dtype)
@@ -256,9 +244,5 @@ class DashStrategy(DDPStrategy):
             # benchmarks/demo_sync.py), so DASH steps on the decoded direction directly.
             for group in dash.param_groups:
                 group["betas"] = (0.0, group["betas"][1])
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dash.distributor = ProcessGroupDistributor(
-                communication_dtype=self.communication_dtype,
-                root_iterations=dash.root_settings.iterations,
-            )
+        shard_across_ranks(dash, self.communication_dtype)
         return dash

@@ -50,6 +50,8 @@ class Dash(Algorithm):
         epsilon: damping of the factors before the roots.
         root_iterations: iterations of the Newton solvers.
         factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
+        async_preconditioning, max_staleness: on CUDA, compute the roots on a side
+            stream and use them at most ``max_staleness`` steps later (see DASH).
         communication_dtype: dtype of the all-gathered block updates across ranks.
 
     Example:
@@ -70,6 +72,8 @@ class Dash(Algorithm):
         epsilon: Optional[float] = None,
         root_iterations: Optional[int] = None,
         factor_decay: Optional[float] = None,
+        async_preconditioning: Optional[bool] = None,
+        max_staleness: Optional[int] = None,
         communication_dtype: Union[torch.dtype, str] = torch.float32,
     ) -> None:
         self.options = check_conversion_overrides(dict(
@@ -83,6 +87,8 @@ class Dash(Algorithm):
             epsilon=epsilon,
             root_iterations=root_iterations,
             factor_decay=factor_decay,
+            async_preconditioning=async_preconditioning,
+            max_staleness=max_staleness,
         ))
         try:
             self.communication_dtype = check_matmul_dtype(communication_dtype)

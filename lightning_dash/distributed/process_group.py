@@ -10,8 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dash.distributed.assignment import block_cost, plan_ownership
-
-COMMUNICATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from lightning_dash.optim.validation import check_communication_dtype
 
 
 class ProcessGroupDistributor:
@@ -31,12 +30,8 @@ class ProcessGroupDistributor:
         communication_dtype: torch.dtype = torch.float32,
         root_iterations: int = 10,
     ) -> None:
-        if communication_dtype not in COMMUNICATION_DTYPES:
-            raise ValueError(
-                f"communication_dtype must be one of float32, bfloat16, float16, got {communication_dtype!r}"
-            )
         self.process_group = process_group
-        self.communication_dtype = communication_dtype
+        self.communication_dtype = check_communication_dtype(communication_dtype)
         self.root_iterations = root_iterations
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)

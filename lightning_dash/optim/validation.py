@@ -75,6 +75,14 @@ def check_matmul_dtype(value: Any) -> torch.dtype:
     return dtype
 
 
+def check_communication_dtype(value: Any) -> torch.dtype:
+    """The dtype of all-gathered block updates: float32, bfloat16 or float16 (or their names)."""
+    dtype = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    if dtype not in MATMUL_DTYPES:
+        raise ValueError(f"communication_dtype must be one of float32, bfloat16, float16, got {value!r}")
+    return dtype
+
+
 def check_group(group: dict[str, Any]) -> None:
     """Check the per-group hyperparameters of a DASH parameter group."""
     check_number("lr", group["lr"], low=0.0)

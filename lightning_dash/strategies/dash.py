@@ -19,10 +19,10 @@ from lightning_dash.distributed.gradient_sync import CommStats, counting_allredu
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import (
     check_choice,
+    check_communication_dtype,
     check_conversion_overrides,
     check_int,
-    check_matmul_dtype,
-    check_number,
+        check_number,
 )
 
 
@@ -122,12 +122,7 @@ class DashStrategy(DDPStrategy):
             async_preconditioning=async_preconditioning,
             max_staleness=max_staleness,
         ))
-        try:
-            self.communication_dtype = check_matmul_dtype(communication_dtype)
-        except ValueError:
-            raise ValueError(
-                f"communication_dtype must be one of float32, bfloat16, float16, got {communication_dtype!r}"
-            ) from None
+        self.communication_dtype = check_communication_dtype(communication_dtype)
 
     @classmethod
     @override

@@ -12,7 +12,7 @@ from composer.utils import ensure_tuple
 
 from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.optim import DASH
-from lightning_dash.optim.validation import check_conversion_overrides, check_matmul_dtype
+from lightning_dash.optim.validation import check_communication_dtype, check_conversion_overrides
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,7 @@ class Dash(Algorithm):
             async_preconditioning=async_preconditioning,
             max_staleness=max_staleness,
         ))
-        try:
-            self.communication_dtype = check_matmul_dtype(communication_dtype)
-        except ValueError:
-            raise ValueError(
-                f"communication_dtype must be one of float32, bfloat16, float16, got {communication_dtype!r}"
-            ) from None
+        self.communication_dtype = check_communication_dtype(communication_dtype)
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
         self.optimizer: Optional[DASH] = None
 

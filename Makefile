@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/quick_demo.py
+	$(PY) examples/train_char_gpt.py
 
 $(COMPOSER_VENV)/.installed: pyproject.toml
 	test -x $(CPY) || $(PYTHON) -m venv $(COMPOSER_VENV)

@@ -130,4 +130,6 @@ class WallClock(pl.Callback):
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.start is not None and not trainer.sanity_checking:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)  # count the queued kernels too
             pl_module.log("elapsed_s", time.perf_counter() - self.start, sync_dist=True)

@@ -1,0 +1,122 @@
+"""The examples end to end with tiny settings: the main job's logs, table, JSON and plot,
+checked against the CSV history, and fine-tuning an AdamW checkpoint under strategy="dash"."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dash import DASH
+from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, warmup_cosine
+from lightning_dash.demos.stdlib_text import RandomWindows
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
+        "--val-windows", "64", "--max-bytes", "300000", "--accelerator", "cpu", "--devices", "1",
+        "--no-progress-bar"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread_and_release_process_group(monkeypatch):
+    """Tiny models run fastest on one thread (and do not stall when the cores are shared);
+    OMP_NUM_THREADS keeps Lightning's launcher from raising it. A one-device
+    strategy="dash" run leaves gloo initialised in this process: free it afterwards."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for variable in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(variable, None)
+
+
+def example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_train_char_gpt_logs_table_and_plot_agree(tmp_path):
+    result = example("train_char_gpt").main(
+        TINY + ["--steps", "40", "--val-every", "10", "--lr", "3e-3", "--out", str(tmp_path)]
+    )
+
+    adamw_csv, = (tmp_path / "adamw").glob("version_*/metrics.csv")
+    dash_csv, = (tmp_path / "dash").glob("version_*/metrics.csv")
+    adamw, dash = csv_rows(adamw_csv), csv_rows(dash_csv)
+    # Validation after optimizer steps 10, 20, 30, 40 (Lightning's ``step`` column counts from 0).
+    validation = {name: [(int(r["step"]) + 1, float(r["val_loss"])) for r in rows if r["val_loss"]]
+                  for name, rows in (("AdamW", adamw), ("DASH", dash))}
+    assert [s for s, _ in validation["AdamW"]] == [s for s, _ in validation["DASH"]] == [10, 20, 30, 40]
+    # The scheduler drove the converted optimizer exactly as it drove AdamW.
+    lr_adamw = [float(r["lr-AdamW"]) for r in adamw if r.get("lr-AdamW")]
+    lr_dash = [float(r["lr-DASH"]) for r in dash if r.get("lr-DASH")]
+    assert len(lr_adamw) == 4 and lr_adamw == pytest.approx(lr_dash)
+    assert lr_adamw[-1] < lr_adamw[0]
+    assert isinstance(result["trainers"]["dash"].optimizers[0], DASH)
+    assert isinstance(result["trainers"]["adamw"].optimizers[0], torch.optim.AdamW)
+
+    table = json.loads((tmp_path / "train_char_gpt.json").read_text())["results"]
+    target = validation["AdamW"][-1][1]
+    for row in table:
+        history = validation[row["optimizer"]]
+        expected = next((step for step, loss in history if loss <= target), None)
+        assert row["steps_to_target"] == expected
+        assert row["final_val_loss"] == pytest.approx(history[-1][1])
+        assert row["wall_time_s"] > 0
+    assert table[0]["steps_to_target"] is not None  # AdamW reaches its own final loss
+    assert validation["AdamW"][-1][1] < validation["AdamW"][0][1]  # it learned
+    assert (tmp_path / "train_char_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_finetune_existing_checkpoint_with_dash(tmp_path):
+    result = example("finetune_existing").main(
+        TINY + ["--pretrain-steps", "30", "--finetune-steps", "30", "--out", str(tmp_path)]
+    )
+    assert Path(result["checkpoint"]).is_file()
+    assert result["optimizer"] == "DASH"
+    assert isinstance(result["trainer"].optimizers[0], DASH)
+    assert result["after"] < result["before"]
+
+
+def test_batches_and_initial_weights_are_reproducible():
+    data = torch.arange(1000, dtype=torch.uint8)
+    first, again, other = (RandomWindows(data, 16, 8, seed) for seed in (0, 0, 1))
+    assert torch.equal(first.starts, again.starts) and not torch.equal(first.starts, other.starts)
+    tokens, targets = first[3]
+    assert torch.equal(tokens[1:], targets[:-1]) and tokens.shape == (16,)
+    a, b = GPTModule(context=16, width=16, depth=1, heads=2), GPTModule(context=16, width=16, depth=1, heads=2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    factors = [warmup_cosine(2, 10)(step) for step in range(10)]
+    assert factors[:2] == [0.5, 1.0]
+    assert factors[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+def test_data_module_gives_the_same_batches_for_every_run():
+    loaders = []
+    for _ in range(2):
+        module = StdlibBytes(context=16, batch_size=4, steps=5, val_windows=8, max_bytes=100_000)
+        module.setup("fit")
+        loaders.append(module)
+    assert len(loaders[0].train_dataloader()) == 5
+    for left, right in zip(loaders[0].train_dataloader(), loaders[1].train_dataloader()):
+        assert all(torch.equal(a, b) for a, b in zip(left, right))
+    assert all(torch.equal(a, b) for a, b in zip(next(iter(loaders[0].val_dataloader())),
+                                                 next(iter(loaders[1].val_dataloader()))))

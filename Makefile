@@ -32,7 +32,7 @@ test-lightning: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 test-composer: $(COMPOSER_VENV)/.installed
-	$(CPY) -m pytest -q tests/composer
+	$(CPY) -m pytest -q tests/with_composer
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solvers.py

@@ -5,6 +5,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 # The Composer tests run in their own environment (Composer pins an older torch); the
-# README's test command runs them there with `pytest tests/composer`.
+# README's test command runs them there with `pytest tests/with_composer`.
 if importlib.util.find_spec("composer") is None:
-    collect_ignore = ["composer"]
+    collect_ignore = ["with_composer"]

@@ -1,0 +1,155 @@
+"""Quick checks of benchmarks/step_time.py and benchmarks/convergence.py (nothing is timed).
+
+The per-block loop baseline must compute DASH's update, or the step-time
+comparison is not fair; the record builders must emit exactly the documented
+layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import convergence
+import step_time
+from _shampoo_loop import ShampooLoop, block_slices
+
+from lightning_dash import DASH
+
+STEP_TIME_KEYS = {
+    "device": str, "model": str, "optimizer": str, "solver": (str, type(None)), "dtype": (str, type(None)),
+    "block_size": (int, type(None)), "step_ms": float,
+}
+CONVERGENCE_KEYS = {
+    "device": str, "optimizer": str, "lr": float, "seed": int, "steps": int, "final_val_loss": float,
+    "steps_to_adamw_final": (int, type(None)), "wall_s": float,
+}
+
+
+def check_layout(record: dict, keys: dict) -> None:
+    assert set(record) == set(keys)
+    for key, kind in keys.items():
+        assert isinstance(record[key], kind), (key, record[key])
+        assert not isinstance(record[key], bool), key
+
+
+def test_block_slices_cover_every_element_once():
+    covered = torch.zeros(70, 45, dtype=torch.int64)
+    for rows, cols in block_slices((70, 45), 32):
+        covered[rows, cols] += 1
+    assert bool((covered == 1).all())
+
+
+@pytest.mark.parametrize("method", ["eigh", "newton_db", "coupled_newton", "chebyshev"])
+def test_shampoo_loop_matches_dash(method):
+    """Same blocks, same solver, roots at every step: the same parameters after a few steps."""
+    torch.manual_seed(0)
+    shapes = [(40, 24), (24,), (70, 30), (30, 70), (5, 3, 4)]
+    initial = [torch.randn(shape) for shape in shapes]
+    gradients = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
+    options = {"lr": 0.01, "weight_decay": 0.1, "epsilon": 1e-6, "block_size": 32, "precondition_frequency": 1,
+                   "inverse_root_method": method}
+    batched = [p.clone().requires_grad_() for p in initial]
+    looped = [p.clone().requires_grad_() for p in initial]
+    dash, loop = DASH(batched, **options), ShampooLoop(looped, **options)
+    for step_grads in gradients:
+        for params in (batched, looped):
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+        dash.step()
+        loop.step()
+    for start, a, b in zip(initial, batched, looped):
+        moved = (a - start).abs().max()
+        assert moved > 0
+        assert (a - b).abs().max() <= 1e-4 * moved
+
+
+def test_shampoo_loop_skips_roots_between_refreshes():
+    torch.manual_seed(1)
+    initial = torch.randn(20, 12)
+    grads = [torch.randn(20, 12) for _ in range(4)]
+    a, b = initial.clone().requires_grad_(), initial.clone().requires_grad_()
+    dash = DASH([a], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-6)
+    loop = ShampooLoop([b], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-6)
+    for grad in grads:
+        a.grad, b.grad = grad.clone(), grad.clone()
+        dash.step()
+        loop.step()
+    assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_step_time_records_have_the_documented_layout(tmp_path):
+    args = step_time.parse_args(["--device", "cpu", "--block-sizes", "8", "--solvers", "eigh", "newton_db",
+                                 "--dtypes", "float32", "--rounds", "1", "--warmup", "1", "--samples", "1",
+                                 "--no-third-party", "--out", str(tmp_path)])
+    shapes = step_time.gpt_parameter_shapes(step_time.GPTShape(width=8, layers=1, vocab=16, context=4))
+    params, grads = step_time.make_parameters(shapes, torch.device("cpu"))
+    cases, _ = step_time.build_cases(args, max(max(s) for _, s in shapes))
+    step_time.measure(cases, params, grads, args.rounds, args.warmup, args.samples, torch.device("cpu"),
+                      verbose=False)
+    records = step_time.make_records(cases, "cpu", "tiny")
+    names = [(r.optimizer, r.solver, r.block_size) for r in records]
+    assert ("adamw", None, None) in names
+    assert ("dash", "eigh", 8) in names and ("shampoo_loop", "newton_db", 8) in names
+    assert ("dash_f10", "newton_db", 8) in names
+    path = step_time.write_records(records, tmp_path, "cpu")
+    assert path.name == "step_time_cpu.json"
+    import json
+
+    for record in json.loads(path.read_text()):
+        check_layout(record, STEP_TIME_KEYS)
+    assert "loop / DASH" in step_time.format_table(records)
+
+
+def test_gpu_labels():
+    assert step_time.short_gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert step_time.short_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert step_time.short_gpu_name("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert step_time.short_gpu_name("NVIDIA H200") == "h200"
+    assert step_time.device_label(torch.device("cpu")) == "cpu"
+
+
+def test_convergence_records_have_the_documented_layout(tmp_path):
+    import json
+
+    settings = convergence.Settings(steps=4, warmup=2, batch_size=4, context=8, width=8, depth=1, heads=2,
+                                    eval_every=2, eval_batches=1, corpus_bytes=100_000)
+    corpus = convergence.load_stdlib_corpus(max_bytes=settings.corpus_bytes)
+    cpu = torch.device("cpu")
+    grid = [("adamw", 1e-3, 0), ("adamw", 3e-3, 0), ("dash", 3e-3, 0), ("adamw", 3e-3, 1), ("dash", 3e-3, 1)]
+    runs = [convergence.train_run(name, lr, seed, corpus, settings, cpu) for name, lr, seed in grid]
+    assert [p.step for p in runs[0].curve] == [0, 2, 4]
+    records = convergence.make_records(runs, "cpu")
+    assert len(records) == len(grid)
+    best = convergence.best_lrs(runs)
+    for record in records:
+        if record.optimizer == "adamw" and record.lr == best["adamw"]:
+            assert record.steps_to_adamw_final is not None and record.steps_to_adamw_final <= record.steps
+    paths = convergence.write_outputs(runs, records, tmp_path, "cpu", "test")
+    assert [p.name for p in paths] == ["convergence_cpu.json", "convergence_curves_cpu.json", "convergence_cpu.png"]
+    for record in json.loads(paths[0].read_text()):
+        check_layout(record, CONVERGENCE_KEYS)
+    curves = json.loads(paths[1].read_text())
+    assert set(curves[0]) == {"device", "optimizer", "lr", "seed", "median_step_ms", "curve"}
+    assert set(curves[0]["curve"][0]) == {"step", "wall_s", "val_loss"}
+    ratio = convergence.dash_over_adamw(runs)
+    assert ratio.seeds == [0, 1] and len(ratio.steps) == len(ratio.wall) == len(ratio.median_time) == 2
+
+
+def test_robust_step_time_keeps_root_steps_amortised():
+    steps = ([1.0] + [0.1] * 9) * 3 + [50.0] * 10 + [0.1] * 3  # one slowed-down window, a partial one
+    assert convergence.robust_step_ms(steps) == pytest.approx(1e3 * 1.9 / 10)
+
+
+def test_warmup_cosine_schedule():
+    factor = convergence.warmup_cosine(warmup=4, total=20)
+    assert factor(0) == pytest.approx(0.25)
+    assert factor(3) == pytest.approx(1.0)
+    assert factor(4) == pytest.approx(1.0)
+    assert factor(12) == pytest.approx(0.5)
+    assert factor(20) == pytest.approx(0.0, abs=1e-12)

@@ -23,11 +23,9 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import matrix_shape
-from lightning_dash.optim.grafting import (
-    graft_norm,
-    grafting_direction,
-    update_second_moment,
-)
+from lightning_dash.optim.dash import DEFAULT_EPSILON
+from lightning_dash.optim.factors import accumulate_factors
+from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.roots import RootSettings, inverse_root
 
 ROOT = 4
@@ -44,8 +42,9 @@ class _Block:
     left_root: Tensor
     right_root: Tensor
     momentum: Tensor
-    second_moment: Tensor
+    second_moment: Tensor  # its square root, as DASH keeps it
     root_valid: Tensor
+    factor_scale: Tensor  # the factors are kept divided by it, as DASH keeps them
 
 
 def block_slices(shape: tuple[int, int], block_size: int) -> list[tuple[slice, slice]]:
@@ -70,6 +69,7 @@ def _new_block(rows: slice, cols: slice, device: torch.device) -> _Block:
         momentum=torch.zeros(height, width, device=device),
         second_moment=torch.zeros(height, width, device=device),
         root_valid=torch.zeros((), dtype=torch.bool, device=device),
+        factor_scale=torch.zeros(1, dtype=torch.float64, device=device),
     )
 
 
@@ -85,7 +85,7 @@ class ShampooLoop(torch.optim.Optimizer):
         params: Iterable[Tensor],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
-        epsilon: float = 1e-12,
+        epsilon: float = DEFAULT_EPSILON,
         weight_decay: float = 0.0,
         block_size: int = 1024,
         precondition_frequency: int = 10,
@@ -95,8 +95,9 @@ class ShampooLoop(torch.optim.Optimizer):
         matmul_dtype: torch.dtype = torch.float32,
         grafting_beta2: float = 0.95,
         grafting_epsilon: float = 1e-8,
-        root_iterations: int = 10,
+        root_iterations: int | None = None,
         chebyshev_degree: int = 40,
+        relative_epsilon: bool = True,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "epsilon": epsilon, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -111,17 +112,17 @@ class ShampooLoop(torch.optim.Optimizer):
             matmul_dtype=matmul_dtype,
             iterations=root_iterations,
             chebyshev_degree=chebyshev_degree,
+            relative_epsilon=relative_epsilon,
         )
 
     def _roots_due(self, step: int) -> bool:
         start = self.start_preconditioning_step
         return step >= start and (step - start) % self.precondition_frequency == 0
 
-    def _root(self, factor: Tensor, correction: float, eps: float) -> Tensor:
-        """``(factor / correction + eps I)^(-1/4)`` by the configured solver on a 1-block stack."""
-        stack = (factor / correction).unsqueeze(0)
+    def _root(self, factor: Tensor, scale: Tensor, correction: float, eps: float) -> Tensor:
+        """``(scale * factor / correction + d I)^(-1/4)`` by the configured solver on a 1-block stack."""
         damping = torch.full((1,), eps, device=factor.device)
-        return inverse_root(stack, damping, ROOT, self.root_settings).root[0]
+        return inverse_root(factor[None], damping, ROOT, self.root_settings, scale / correction, eps).root[0]
 
     def _adam_direction(self, momentum: Tensor, second_moment: Tensor, step: int) -> Tensor:
         return grafting_direction(
@@ -157,7 +158,7 @@ class ShampooLoop(torch.optim.Optimizer):
         state["step"] += 1
         step, beta1 = state["step"], group["betas"][0]
         grad = param.grad.float()
-        update_second_moment(state["second_moment"], grad, "adam", self.grafting_beta2)
+        state["second_moment"] = next_rms(state["second_moment"], grad, "adam", self.grafting_beta2)
         state["momentum"].lerp_(grad, 1.0 - beta1)
         momentum = state["momentum"] / (1.0 - beta1**step)
         param.add_(self._adam_direction(momentum, state["second_moment"], step), alpha=-group["lr"])
@@ -179,9 +180,11 @@ class ShampooLoop(torch.optim.Optimizer):
         grad_matrix = param.grad.view(matrix.shape)
         for block in state["blocks"]:
             grad = grad_matrix[block.rows, block.cols].float()
-            block.left_factor.addmm_(grad, grad.T, beta=beta2, alpha=1.0 - beta2)
-            block.right_factor.addmm_(grad.T, grad, beta=beta2, alpha=1.0 - beta2)
-            update_second_moment(block.second_moment, grad, "adam", self.grafting_beta2)
+            left, right, block.factor_scale = accumulate_factors(
+                block.left_factor[None], block.right_factor[None], block.factor_scale, grad[None], beta2
+            )
+            block.left_factor, block.right_factor = left[0], right[0]
+            block.second_moment = next_rms(block.second_moment, grad, "adam", self.grafting_beta2)
             block.momentum.lerp_(grad, 1.0 - beta1)
             momentum = block.momentum / (1.0 - beta1**step)
             if due:
@@ -199,8 +202,8 @@ class ShampooLoop(torch.optim.Optimizer):
         Like DASH, the test stays on the device (no host read-back); a block that
         never had valid roots follows its Adam direction.
         """
-        left = self._root(block.left_factor, correction, eps)
-        right = self._root(block.right_factor, correction, eps)
+        left = self._root(block.left_factor, block.factor_scale, correction, eps)
+        right = self._root(block.right_factor, block.factor_scale, correction, eps)
         ok = torch.isfinite(left).all() & torch.isfinite(right).all()
         block.left_root.copy_(torch.where(ok, left, block.left_root))
         block.right_root.copy_(torch.where(ok, right, block.right_root))

@@ -175,13 +175,15 @@ def validation_loss(model: TinyGPT, corpus: ByteCorpus, settings: Settings, devi
 
 
 def train_run(
-    optimizer_name: str, lr: float, seed: int, corpus: ByteCorpus, settings: Settings, device: torch.device
+    optimizer_name: str, lr: float, seed: int, corpus: ByteCorpus, settings: Settings, device: torch.device,
+    build: Callable[[str, torch.nn.Module, float], torch.optim.Optimizer] | None = None,
 ) -> Run:
-    """Train one model; evaluate at step 0, every ``eval_every`` steps and at the end."""
+    """Train one model; evaluate at step 0, every ``eval_every`` steps and at the end.
+    ``build(name, model, lr)`` makes the optimizer (default :func:`build_optimizer`)."""
     torch.manual_seed(seed)
     model = TinyGPT(context=settings.context, width=settings.width, depth=settings.depth,
                     heads=settings.heads).to(device)
-    optimizer = build_optimizer(optimizer_name, model, lr)
+    optimizer = (build or build_optimizer)(optimizer_name, model, lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup, settings.steps))
     data_order = torch.Generator().manual_seed(seed)
     curve = [Point(0, 0.0, validation_loss(model, corpus, settings, device))]

@@ -41,7 +41,8 @@ class ReferenceDash:
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
-    epsilon: float = 1e-12
+    epsilon: float = 1e-5
+    relative_epsilon: bool = True
     weight_decay: float = 0.0
     block_size: int = 1024
     precondition_frequency: int = 10
@@ -73,6 +74,10 @@ class ReferenceDash:
         _, direction = self._adam_direction(st, grad.double(), st["t"])
         param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * direction)
 
+    def _damping(self, factor: Tensor) -> float:
+        """``epsilon``, times the factor's Frobenius norm when it is relative."""
+        return self.epsilon * float(torch.linalg.matrix_norm(factor)) if self.relative_epsilon else self.epsilon
+
     def _matrix_step(self, index: int, param: Tensor, grad: Tensor) -> None:
         rows = param.shape[0]
         cols = math.prod(param.shape[1:])
@@ -94,13 +99,15 @@ class ReferenceDash:
             if st["pending"] is not None and (due or t >= st["pending"][0]):
                 _, st["Lr"], st["Rr"] = st["pending"]
                 st["pending"] = None
-            st["L"] = b2 * st["L"] + (1 - b2) * g @ g.T
-            st["R"] = b2 * st["R"] + (1 - b2) * g.T @ g
+            new = 1 - b2 if b2 < 1 else 1.0  # a decay of 1 accumulates sums
+            st["L"] = b2 * st["L"] + new * g @ g.T
+            st["R"] = b2 * st["R"] + new * g.T @ g
             m_hat, adam = self._adam_direction(st, g, t)
             if due:
                 correction = 1 - b2**t if b2 < 1 else 1.0
-                left = inverse_fourth_root(st["L"] / correction, self.epsilon)
-                right = inverse_fourth_root(st["R"] / correction, self.epsilon)
+                left_factor, right_factor = st["L"] / correction, st["R"] / correction
+                left = inverse_fourth_root(left_factor, self._damping(left_factor))
+                right = inverse_fourth_root(right_factor, self._damping(right_factor))
                 if self.root_delay == 0:
                     st["Lr"], st["Rr"] = left, right
                 else:

@@ -156,9 +156,9 @@ def test_bookkeeping_swaps_at_the_deadline_and_counts_failures_there(monkeypatch
     real = dash_module.inverse_root
     calls = {"count": 0}
 
-    def first_call_fails(statistics, eps, root, settings):
+    def first_call_fails(statistics, eps, root, settings, scale=None, min_eps=None):
         calls["count"] += 1
-        result = real(statistics, eps, root, settings)
+        result = real(statistics, eps, root, settings, scale, min_eps)
         if calls["count"] == 1:
             broken = result.root.clone()
             broken[0] = math.nan
@@ -268,9 +268,9 @@ def test_stream_protocol_with_fake_cuda(monkeypatch):
     ops = FakeCudaOps()
     real = dash_module.inverse_root
 
-    def solver(statistics, eps, root, settings):
+    def solver(statistics, eps, root, settings, scale=None, min_eps=None):
         ops.log.append(("solve", ops.current.name))
-        return real(statistics, eps, root, settings)
+        return real(statistics, eps, root, settings, scale, min_eps)
 
     monkeypatch.setattr(dash_module, "inverse_root", solver)
     model = make_model()
@@ -291,7 +291,8 @@ def test_stream_protocol_with_fake_cuda(monkeypatch):
     assert all(stream == "side" for _, stream in solves)
     assert launch_log[len(solves) + 1] == ("record_event", "side", 0)
     snapshots = [entry for entry in launch_log if entry[0] == "record_stream"]
-    assert len(snapshots) == len(solves) * 2 and all(entry[1] == "side" for entry in snapshots)
+    # each solve reads three snapshots: the factors, their damping and their scales
+    assert len(snapshots) == len(solves) * 3 and all(entry[1] == "side" for entry in snapshots)
 
     train(model, opt, 1, start=1)  # step 2: the event is not ready; nothing is used
     assert not any(entry[0] in ("install", "wait_event") for entry in ops.log)

@@ -74,8 +74,8 @@ def test_shampoo_loop_skips_roots_between_refreshes():
     initial = torch.randn(20, 12)
     grads = [torch.randn(20, 12) for _ in range(4)]
     a, b = initial.clone().requires_grad_(), initial.clone().requires_grad_()
-    dash = DASH([a], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-6)
-    loop = ShampooLoop([b], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-6)
+    dash = DASH([a], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-4)
+    loop = ShampooLoop([b], lr=0.01, block_size=16, precondition_frequency=3, epsilon=1e-4)
     for grad in grads:
         a.grad, b.grad = grad.clone(), grad.clone()
         dash.step()

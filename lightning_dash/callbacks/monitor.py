@@ -26,7 +26,9 @@ class DashMonitor(Callback):
     - ``dash/optimizer_step_ms``: wall time from ``on_before_optimizer_step`` to
       ``on_train_batch_end`` (the optimizer step plus gradient clipping and step-wise
       LR schedulers), with CUDA synchronised at both ends when the module is on a GPU.
-    - ``dash/root_failures`` and ``dash/nonfinite_grad_skips``: cumulative counters.
+    - ``dash/root_failures``, ``dash/nonfinite_grad_skips`` and ``dash/nonfinite_update_skips``:
+      cumulative counters (roots rejected as non-finite or unconverged; steps skipped
+      whole for a non-finite gradient or update).
     - ``dash/root_residual``: the largest Newton residual of the latest root
       computation, only when the step computed roots with a residual.
     - ``dash/ownership_balance``: max/mean per-rank cost, when the optimizer has it.
@@ -93,6 +95,7 @@ class DashMonitor(Callback):
             "dash/optimizer_step_ms": elapsed_ms,
             "dash/root_failures": float(optimizer.root_failure_count),
             "dash/nonfinite_grad_skips": float(optimizer.nonfinite_grad_skips),
+            "dash/nonfinite_update_skips": float(optimizer.nonfinite_update_skips),
         }
         residual = optimizer.last_root_residual
         if residual is not None:

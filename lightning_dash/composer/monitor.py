@@ -24,7 +24,9 @@ class DashMonitor(Callback):
       gradients are complete) to ``Event.BATCH_END``: the optimizer step plus
       Composer's loss reduction and scheduler step, with CUDA synchronised at both
       ends when the model is on a GPU;
-    - ``dash/root_failures`` and ``dash/nonfinite_grad_skips``: cumulative counters;
+    - ``dash/root_failures``, ``dash/nonfinite_grad_skips`` and ``dash/nonfinite_update_skips``:
+      cumulative counters (roots rejected as non-finite or unconverged; steps skipped
+      whole for a non-finite gradient or update);
     - ``dash/root_residual``: largest Newton residual of the batch's root computation
       (only on batches that computed roots with a residual);
     - ``dash/ownership_balance``: max/mean per-rank block cost (1.0 in one process).
@@ -75,6 +77,7 @@ class DashMonitor(Callback):
             "dash/optimizer_step_ms": elapsed_ms,
             "dash/root_failures": float(optimizer.root_failure_count),
             "dash/nonfinite_grad_skips": float(optimizer.nonfinite_grad_skips),
+            "dash/nonfinite_update_skips": float(optimizer.nonfinite_update_skips),
             "dash/ownership_balance": float(optimizer.ownership_balance),
         }
         if optimizer.last_root_residual is not None:

@@ -95,6 +95,6 @@ def shard_across_ranks(optimizer: Any, communication_dtype: torch.dtype = torch.
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return False
     optimizer.distributor = ProcessGroupDistributor(
-        communication_dtype=communication_dtype, root_iterations=optimizer.root_settings.iterations
+        communication_dtype=communication_dtype, root_iterations=optimizer.root_settings.iterations or 10
     )
     return True

@@ -115,12 +115,14 @@ class StackPlan:
                 positions.extend(range(region.stack_offset, region.stack_offset + region.num_blocks))
         return plan, positions
 
-    def gather(self, matrices: dict[int, Tensor], out: Tensor | None = None) -> Tensor:
-        """Copy the tiles of ``matrices`` (param index -> matrix view) into one stack."""
+    def gather(self, matrices: dict[int, Tensor], out: Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+        """Copy the tiles of ``matrices`` (param index -> matrix view) into one stack
+        (a new one in ``dtype`` unless ``out`` is given)."""
         rows, cols = self.block_shape
         if out is None:
             first = next(iter(matrices.values()))
-            out = torch.empty(self.num_blocks, rows, cols, dtype=torch.float32, device=first.device)
+            out = torch.empty(self.num_blocks, rows, cols, dtype=dtype, device=first.device)
         for region in self.regions:
             region.tiles(out).copy_(region.window(matrices[region.param_index]))
         return out

@@ -36,16 +36,40 @@ def _decoupled_weight_decay(group: dict[str, Any], composer_style: bool) -> floa
     return decay
 
 
-def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY
-                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+#: Classes whose own ``step`` DASH reproduces: the supported torch optimizers and
+#: Composer's decoupled variants (matched by name: Composer need not be installed).
+_SUPPORTED_BASES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
+_SUPPORTED_NAMES = ("DecoupledAdamW", "DecoupledSGDW")
+
+
+def check_no_custom_step(optimizer: torch.optim.Optimizer, allow_custom_step: bool) -> None:
+    """Refuse to convert a subclass of a supported optimizer that defines its own ``step``:
+    its update rule would silently be replaced by DASH's (``allow_custom_step=True``
+    converts it anyway, mapping only its hyperparameters)."""
+    cls = type(optimizer)
+    if allow_custom_step or cls in _SUPPORTED_BASES or cls.__name__ in _SUPPORTED_NAMES:
+        return
+    base = next((b for b in cls.__mro__ if b in _SUPPORTED_BASES or b.__name__ in _SUPPORTED_NAMES), None)
+    if base is not None and cls.step is not base.step:
+        raise ValueError(
+            f"cannot convert {cls.__name__} to DASH: it overrides {base.__name__}.step, and its update "
+            "rule would be lost; pass allow_custom_step=True to convert it anyway (only its "
+            "hyperparameters carry over)"
+        )
+
+
+def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY,
+                        allow_custom_step: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-group DASH settings equivalent to ``optimizer``'s, and optimizer-wide options
     (``grafting`` and ``nesterov``).
 
     Adam/AdamW (and Composer's ``DecoupledAdamW``) graft Adam with their second-moment
     decay and epsilon; SGD (and ``DecoupledSGDW``) grafts SGD with its momentum;
     Adagrad and RMSprop graft themselves. Adam's L2 ``weight_decay`` becomes decoupled
-    weight decay. Unsupported classes or options raise ``TypeError``/``ValueError``.
+    weight decay. Unsupported classes or options raise ``TypeError``/``ValueError``, and
+    so does a subclass with its own ``step`` unless ``allow_custom_step``.
     """
+    check_no_custom_step(optimizer, allow_custom_step)
     name = type(optimizer).__name__
     composer_style = name.startswith("Decoupled")
     settings: list[dict[str, Any]] = []

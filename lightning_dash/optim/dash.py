@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -13,22 +14,25 @@ from lightning_dash.optim.async_roots import RootPipeline
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, dash_group_settings
 from lightning_dash.optim.distributor import BlockDistributor
+from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import (
     GRAFTING_TYPES,
     graft_norm,
     grafting_direction,
-    update_second_moment,
+    next_rms,
     uses_second_moment,
 )
-from lightning_dash.optim.roots import RootResult, RootSettings, inverse_root
+from lightning_dash.optim.roots import RootResult, RootSettings, failure_residual, inverse_root
 from lightning_dash.optim.state import (
+    GRAFTING_RMS,
     MOMENTUM,
     ROOT_FAILURES,
     ROOT_VALID,
-    SECOND_MOMENT,
     StackState,
+    check_loadable,
     export_stack,
     import_stack,
+    upgrade_entry,
 )
 from lightning_dash.optim.validation import (
     check_async_preconditioning,
@@ -39,6 +43,9 @@ from lightning_dash.optim.validation import (
 )
 
 PerBlock = Union[float, Tensor]
+
+#: Relative damping of the factors (see ``epsilon``), chosen by measurement (README).
+DEFAULT_EPSILON = 1e-5
 
 
 class RootComputationError(RuntimeError):
@@ -63,7 +70,35 @@ class _VectorGroup:
     offsets: list[int]
     numels: list[int]
     momentum: Tensor
-    second_moment: Tensor
+    rms: Tensor
+
+
+@dataclass
+class _VectorWork:
+    """The candidate step of the moving one-dimensional parameters of one group."""
+
+    vector: _VectorGroup
+    params: list[Tensor]
+    numels: list[int]
+    index: Optional[Tensor]
+    momentum: Optional[Tensor]
+    rms: Tensor
+    update: Tensor
+
+    def update_views(self) -> list[Tensor]:
+        """The flat update cut into one tensor per parameter, shaped like it."""
+        return [u.view(p.shape).to(p.dtype) for u, p in zip(self.update.split(self.numels), self.params)]
+
+    def commit(self) -> None:
+        """Make the candidate momentum and second moment the group's state."""
+        if self.index is None:
+            if self.momentum is not None:
+                self.vector.momentum = self.momentum
+            self.vector.rms = self.rms
+        else:
+            if self.momentum is not None:
+                self.vector.momentum[self.index] = self.momentum
+            self.vector.rms[self.index] = self.rms
 
 
 @dataclass
@@ -102,6 +137,14 @@ class _StackWork:
     due: Optional[Tensor]
     due_regions: list[int]
 
+    def commit(self) -> None:
+        """Make the candidate state the stack's state (fields are replaced, so objects
+        that hold the stack's state, such as pending asynchronous roots, stay valid)."""
+        if self.index is None:
+            self.stack.state.assign(self.state)
+        else:
+            self.stack.state.commit(self.index, self.state)
+
 
 @dataclass
 class _RootRequest:
@@ -109,6 +152,8 @@ class _RootRequest:
 
     inputs: Tensor
     eps: Tensor
+    scale: Tensor
+    min_eps: float
     pieces: list[tuple[int, str]]  # (target, "left" | "right") of each consecutive piece
     counts: list[int]  # blocks in each piece
 
@@ -135,6 +180,23 @@ _GROUP_KEYS = frozenset({
 })
 
 
+def _committed_streaks(layout: "_Layout") -> list[tuple[StackPlan, Tensor]]:
+    """Every stack's plan with its committed per-block root failure streaks."""
+    return [(stack.plan, stack.state.root_failures) for stack in layout.stacks]
+
+
+def _state_dtype(param: Tensor) -> torch.dtype:
+    """Optimizer state of float64 parameters is float64; of every other dtype, float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _stacks_by_placement(regions: list[Region], params: list[Tensor]) -> list[StackPlan]:
+    """Stacks of equal block shape, apart for each device and state dtype."""
+    placement = lambda region: (params[region.param_index].device, _state_dtype(params[region.param_index]))  # noqa: E731
+    keys = dict.fromkeys(placement(region) for region in regions)
+    return [plan for key in keys for plan in stack_regions([r for r in regions if placement(r) == key])]
+
+
 def _roots_due(step: int, group: dict[str, Any]) -> bool:
     """Whether a block at its ``step`` recomputes its roots: at start, start + f, ..."""
     start = group["start_preconditioning_step"]
@@ -148,14 +210,6 @@ def _per_block(values: list[float], counts: list[int], device: torch.device) -> 
         return first
     expanded = torch.tensor(values, dtype=torch.float32).repeat_interleave(torch.tensor(counts))
     return expanded.to(device)
-
-
-def _accumulate(factor: Tensor, left: Tensor, right: Tensor, decay: PerBlock) -> None:
-    """``factor <- decay * factor + (1 - decay) * left @ right`` in place."""
-    if isinstance(decay, Tensor):
-        factor.mul_(decay).add_(torch.bmm(left, right).mul_(1.0 - decay))
-    else:
-        factor.baddbmm_(left, right, beta=decay, alpha=1.0 - decay)
 
 
 def _blockwise(value: PerBlock) -> PerBlock:
@@ -179,7 +233,13 @@ class DASH(torch.optim.Optimizer):
         lr: learning rate.
         betas: ``(momentum of the gradient, decay of the Kronecker factors)``;
             a momentum of 0 disables it, a decay of 1.0 accumulates AdaGrad-style sums.
-        epsilon: damping added to the (bias-corrected) factors before the roots.
+        epsilon: damping added to the (bias-corrected) factors before the roots:
+            ``L + epsilon * ||L||_F * I`` (relative to the factor's Frobenius norm, an
+            upper bound of its largest eigenvalue), or ``L + epsilon * I`` with
+            ``relative_epsilon=False``. Relative damping makes the update independent
+            of the gradients' scale and keeps roundoff in the near-null space of
+            rank-deficient factors from being amplified.
+        relative_epsilon: whether ``epsilon`` is relative (default) or absolute.
         weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
         block_size: largest tile side; remainders form smaller tiles.
         precondition_frequency: recompute the roots every this many steps.
@@ -194,7 +254,11 @@ class DASH(torch.optim.Optimizer):
         nesterov: use a Nesterov-style momentum in the direction.
         bias_correction: correct momentum, factors and Adam's second moment for their
             zero initialisation.
-        root_iterations: iterations of the Newton solvers (per pass).
+        root_iterations: iterations of the Newton solvers (per pass); None (default):
+            as many as the damping needs, planned on the host from the spectrum bound
+            relative damping gives (:func:`~lightning_dash.optim.roots.spectrum_floor`);
+            see :func:`~lightning_dash.optim.roots.failure_residual` for when a root
+            counts as failed.
         chebyshev_degree: degree of the Chebyshev interpolant.
         max_consecutive_root_failures: raise :class:`RootComputationError` once a
             block's root has failed this many times in a row (None: never raise).
@@ -212,7 +276,7 @@ class DASH(torch.optim.Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
-        epsilon: float = 1e-12,
+        epsilon: float = DEFAULT_EPSILON,
         weight_decay: float = 0.0,
         block_size: int = 1024,
         precondition_frequency: int = 10,
@@ -225,14 +289,16 @@ class DASH(torch.optim.Optimizer):
         grafting_epsilon: float = 1e-8,
         nesterov: bool = False,
         bias_correction: bool = True,
-        root_iterations: int = 10,
+        root_iterations: Optional[int] = None,
         chebyshev_degree: int = 40,
         max_consecutive_root_failures: Optional[int] = 3,
         distributor: Optional[BlockDistributor] = None,
         async_preconditioning: bool = False,
         max_staleness: int = 1,
+        relative_epsilon: bool = True,
     ) -> None:
         options = check_optimizer_options(dict(
+            relative_epsilon=relative_epsilon,
             block_size=block_size,
             inverse_root_method=inverse_root_method,
             matrix_scaling=matrix_scaling,
@@ -255,9 +321,15 @@ class DASH(torch.optim.Optimizer):
             matmul_dtype=options["matmul_dtype"],
             iterations=options["root_iterations"],
             chebyshev_degree=options["chebyshev_degree"],
+            relative_epsilon=options["relative_epsilon"],
         )
+        #: Blocks whose new roots were rejected (non-finite, or a residual above
+        #: :func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.
         self.root_failure_count = 0
+        #: Steps skipped whole because some gradient was not finite.
         self.nonfinite_grad_skips = 0
+        #: Steps skipped whole because some computed update was not finite.
+        self.nonfinite_update_skips = 0
         #: Largest Newton residual of the roots computed in the latest step (None if none were).
         self.last_root_residual: Optional[Tensor] = None
         self._layout: Optional[_Layout] = None
@@ -317,11 +389,14 @@ class DASH(torch.optim.Optimizer):
         overrides set DASH options (``block_size``, ``inverse_root_method``, ...) or
         per-group values (``epsilon``, ``precondition_frequency``, ...) for all groups;
         ``factor_decay`` sets ``betas[1]``. A DASH optimizer is returned unchanged.
+        A subclass that overrides its base class's ``step`` is refused (its update rule
+        would be lost) unless ``allow_custom_step=True``.
         """
         if isinstance(optimizer, DASH):
             return optimizer
         factor_decay = overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY)
-        group_settings, options = dash_group_settings(optimizer, factor_decay)
+        allow_custom_step = overrides.pop("allow_custom_step", False)
+        group_settings, options = dash_group_settings(optimizer, factor_decay, allow_custom_step)
         per_group = {key: overrides.pop(key) for key in list(overrides) if key in _GROUP_KEYS}
         for group, settings in zip(optimizer.param_groups, group_settings):
             group.update(settings)
@@ -361,8 +436,11 @@ class DASH(torch.optim.Optimizer):
                     names.append(f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
         return names
 
+    def _flat_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
     def _build_layout(self) -> _Layout:
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._flat_params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         names = self._param_names()
         saved: dict[int, dict[str, Tensor]] = {}
@@ -377,14 +455,12 @@ class DASH(torch.optim.Optimizer):
 
         regions = [
             region
-            for index, param in enumerate(params) if param.dim() >= 2
+            for index, param in enumerate(params) if param.dim() >= 2 and param.numel() > 0
             for region in param_regions(index, matrix_shape(param.shape), self.block_size)
         ]
         exchange = None
         if self._distributor is None:
-            devices = dict.fromkeys(params[r.param_index].device for r in regions)
-            local_plans = [plan for device in devices
-                           for plan in stack_regions([r for r in regions if params[r.param_index].device == device])]
+            local_plans = _stacks_by_placement(regions, params)
         else:
             exchange = self._plan_exchange(regions, group_of)
             local_plans = exchange.plans[self._distributor.rank]
@@ -392,33 +468,33 @@ class DASH(torch.optim.Optimizer):
         stacks: list[_Stack] = []
         for plan in local_plans:
             if plan.regions:
-                device = params[plan.regions[0].param_index].device
-                state = StackState.zeros(plan.num_blocks, plan.block_shape, device)
+                first = params[plan.regions[0].param_index]
+                state = StackState.zeros(plan.num_blocks, plan.block_shape, first.device, _state_dtype(first))
                 if want_momentum:
                     state.ensure(MOMENTUM)
                 if want_second:
-                    state.ensure(SECOND_MOMENT)
+                    state.ensure(GRAFTING_RMS)
                 import_stack(plan, state, params, self.block_size, saved, names)
                 offset = 0 if exchange is None else exchange.offsets[self._distributor.rank][len(stacks)]
                 stacks.append(_Stack(plan, state, offset))
 
         vectors: list[_VectorGroup] = []
         for group_index in range(len(self.param_groups)):
-            members: dict[torch.device, list[int]] = {}
+            members: dict[tuple[torch.device, torch.dtype], list[int]] = {}
             for index, param in enumerate(params):
-                if group_of[index] == group_index and param.dim() < 2:
-                    members.setdefault(param.device, []).append(index)
-            for device, indices in members.items():
+                if group_of[index] == group_index and param.dim() < 2 and param.numel() > 0:
+                    members.setdefault((param.device, _state_dtype(param)), []).append(index)
+            for (device, dtype), indices in members.items():
                 numels = [params[i].numel() for i in indices]
                 offsets = [sum(numels[:k]) for k in range(len(numels))]
                 total = sum(numels)
-                momentum = torch.zeros(total, device=device)
-                second = torch.zeros(total, device=device)
+                momentum = torch.zeros(total, device=device, dtype=dtype)
+                rms = torch.zeros(total, device=device, dtype=dtype)
                 for index, offset, numel in zip(indices, offsets, numels):
-                    for name, flat in ((MOMENTUM, momentum), (SECOND_MOMENT, second)):
+                    for name, flat in ((MOMENTUM, momentum), (GRAFTING_RMS, rms)):
                         if name in saved[index]:
                             flat[offset : offset + numel].copy_(saved[index][name].reshape(-1))
-                vectors.append(_VectorGroup(group_index, indices, offsets, numels, momentum, second))
+                vectors.append(_VectorGroup(group_index, indices, offsets, numels, momentum, rms))
 
         for param in params:
             step = self.state[param]["step"]
@@ -449,7 +525,7 @@ class DASH(torch.optim.Optimizer):
                 for tile, owner in zip(region.single_tiles(), region_owners):
                     owned[owner].append(tile)
             position += region.num_blocks
-        plans = [stack_regions(rank_regions) for rank_regions in owned]
+        plans = [_stacks_by_placement(rank_regions, self._flat_params()) for rank_regions in owned]
         offsets = []
         for rank_plans in plans:
             sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in rank_plans]
@@ -476,7 +552,7 @@ class DASH(torch.optim.Optimizer):
                 shape = layout.params[index].shape
                 out[index] = {
                     MOMENTUM: vector.momentum[offset : offset + numel].clone().view(shape),
-                    SECOND_MOMENT: vector.second_moment[offset : offset + numel].clone().view(shape),
+                    GRAFTING_RMS: vector.rms[offset : offset + numel].clone().view(shape),
                 }
         return out
 
@@ -546,6 +622,7 @@ class DASH(torch.optim.Optimizer):
         packed["dash"] = {
             "root_failure_count": self.root_failure_count,
             "nonfinite_grad_skips": self.nonfinite_grad_skips,
+            "nonfinite_update_skips": self.nonfinite_update_skips,
             "grafting": self.grafting,
         }
         return packed
@@ -556,6 +633,7 @@ class DASH(torch.optim.Optimizer):
         Tensors keep their saved dtype (statistics stay float32 for low-precision
         parameters); the stacks are rebuilt at the next step.
         """
+        check_loadable(state_dict, self._flat_params(), self._param_names(), self.block_size)
         self._pipeline.discard()
         state_dict = dict(state_dict)
         saved_state = state_dict.pop("state")
@@ -572,60 +650,104 @@ class DASH(torch.optim.Optimizer):
             param = params[key]
             self.state[param] = {
                 name: value.to("cpu") if name == "step" else value.to(param.device)
-                for name, value in entry.items()
+                for name, value in upgrade_entry(entry).items()
             }
         # torch.distributed.checkpoint keeps only "state" and "param_groups": without the
         # "dash" entry the counters and grafting type stay as they are.
         self.root_failure_count = int(extra.get("root_failure_count", self.root_failure_count))
         self.nonfinite_grad_skips = int(extra.get("nonfinite_grad_skips", self.nonfinite_grad_skips))
-        self.grafting = extra.get("grafting", self.grafting)
+        self.nonfinite_update_skips = int(extra.get("nonfinite_update_skips", self.nonfinite_update_skips))
+        saved_grafting = extra.get("grafting", self.grafting)
+        if saved_grafting != self.grafting:
+            warnings.warn(
+                f"DASH.load_state_dict: the checkpoint's grafting={saved_grafting!r} replaces "
+                f"grafting={self.grafting!r} (the checkpoint wins, as after a GraftingSchedule switch)",
+                stacklevel=2,
+            )
+        self.grafting = saved_grafting
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One optimizer step; calls ``closure`` (with gradients enabled) first if given."""
+        """One optimizer step; calls ``closure`` (with gradients enabled) first if given.
+
+        The step is applied whole or not at all: every new statistic, root and update
+        is computed first, then checked, then committed. A non-finite gradient
+        anywhere skips the whole step (``nonfinite_grad_skips``); a non-finite update
+        skips it too (``nonfinite_update_skips``); a root streak reaching
+        ``max_consecutive_root_failures`` raises :class:`RootComputationError` before
+        anything but the failure counters has changed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         layout = self._current_layout()
         self.last_root_residual = None
-        active, all_zero = self._active_params(layout)
+        active, all_finite, all_zero = self._active_params(layout)
         if not active or (all_zero and all(group["lr"] == 0 for group in self.param_groups)):
             # Nothing can move: torch.distributed.checkpoint materialises an empty
             # optimizer's state this way, and it must not advance any counter.
             return loss
+        if not all_finite:
+            self.nonfinite_grad_skips += 1
+            return loss
         for index in active:
             layout.steps[index] += 1
-        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], 1.0)
-        self._decay_weights(layout, active)
-        for vector in layout.vectors:
-            self._step_vectors(layout, vector, active)
+        committed = False
+        try:
+            committed = self._step_whole(layout, active)
+        finally:
+            if not committed:
+                for index in active:
+                    layout.steps[index] -= 1
+        return loss
+
+    def _step_whole(self, layout: _Layout, active: set[int]) -> bool:
+        """Compute every candidate, check it, and commit it (see :meth:`step`); returns
+        whether the step was committed."""
         roots_due = self._roots_due_anywhere(layout, active)
         pipeline = self._pipeline if self._uses_pipeline(layout) else None
         # Asynchronous roots swap in before any statistics move (and before blocks are copied out).
         close = pipeline is not None and pipeline.begin_step(roots_due, self._install_roots)
+        vectors = [work for vector in layout.vectors if (work := self._vector_work(layout, vector, active))]
         works = [work for stack in layout.stacks if (work := self._begin_stack(layout, stack, active))]
-        failures: list[Tensor] = []
-        if pipeline is None:
-            failures = self._compute_roots(works)
-        elif roots_due:
-            job = self._root_job(works, whole_stacks=True)
-            snapshots = [t for request in job.requests for t in (request.inputs, request.eps)]
-            pipeline.launch(job, snapshots, lambda: self._solve_roots(job), layout.params[0].device)
-        updates = None
-        if layout.exchange is not None:
-            device = layout.params[0].device
-            updates = torch.zeros(layout.exchange.size, device=device)
-        for work in works:
-            self._finish_stack(layout, work, updates)
-        if updates is not None:
-            self._apply_gathered(layout, self._distributor.all_gather(updates))
         if pipeline is None and roots_due:
-            self._check_failures(layout, [work.stack for work in works], failures)
+            failures = self._compute_roots(works)
+            self._check_failures(layout, [(w.plan, w.state.root_failures) for w in works], failures)
         elif close:
-            self._check_failures(layout, layout.stacks, pipeline.take_failures())
-        return loss
+            self._check_failures(layout, _committed_streaks(layout), pipeline.take_failures())
+        directions = [self._direction(work) for work in works]
+        gathered = None
+        if layout.exchange is not None:
+            updates = self._exchange_buffer(layout)
+            for work, direction in zip(works, directions):
+                self._write_update(work, direction, updates)
+            gathered = self._distributor.all_gather(updates)
+            checked = list(gathered)
+        else:
+            checked = list(directions)
+        checked.extend(work.update for work in vectors)
+        if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
+            self.nonfinite_update_skips += 1
+            return False
+        # Commit: nothing below can fail on bad numbers.
+        if pipeline is not None and roots_due:
+            job = self._root_job(works, whole_stacks=True)
+            snapshots = [t for request in job.requests for t in (request.inputs, request.eps, request.scale)]
+            pipeline.launch(job, snapshots, lambda: self._solve_roots(job), layout.params[0].device)
+        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], 1.0)
+        self._decay_weights(layout, active)
+        for work in vectors:
+            work.commit()
+            torch._foreach_add_(work.params, work.update_views())
+        for work, direction in zip(works, directions):
+            work.commit()
+            if gathered is None:
+                self._apply(layout, work.plan, direction)
+        if gathered is not None:
+            self._apply_gathered(layout, gathered)
+        return True
 
     # ------------------------------------------------------------------ asynchronous roots
     @property
@@ -660,7 +782,7 @@ class DASH(torch.optim.Optimizer):
             return
         if pipeline.settle(self._install_roots, close=collective or not self._is_sharded()):
             layout = self._current_layout()
-            self._check_failures(layout, layout.stacks, pipeline.take_failures())
+            self._check_failures(layout, _committed_streaks(layout), pipeline.take_failures())
 
     def _roots_due_anywhere(self, layout: _Layout, active: set[int]) -> bool:
         """Whether any block of any rank recomputed its roots this step (known on every rank)."""
@@ -670,29 +792,20 @@ class DASH(torch.optim.Optimizer):
             for index in active
         )
 
-    def _apply_gathered(self, layout: _Layout, gathered: list[Tensor]) -> None:
-        """Add every rank's block updates to the parameters, in the same order on all ranks."""
-        for flat, plans, offsets in zip(gathered, layout.exchange.plans, layout.exchange.offsets):
-            for plan, offset in zip(plans, offsets):
-                rows, cols = plan.block_shape
-                update = flat[offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
-                self._apply(layout, plan, update)
-
-    def _active_params(self, layout: _Layout) -> tuple[set[int], bool]:
-        """Indices of parameters with finite gradients (non-finite ones are skipped and
-        counted), and whether every gradient is exactly zero; one host read-back."""
-        candidates = [i for i, p in enumerate(layout.params) if p.grad is not None]
+    # ------------------------------------------------------------------ step pieces
+    def _active_params(self, layout: _Layout) -> tuple[set[int], bool, bool]:
+        """Indices of parameters with a gradient (empty ones excepted), whether every
+        gradient is finite, and whether every one is exactly zero; one host read-back."""
+        candidates = [i for i, p in enumerate(layout.params) if p.grad is not None and p.numel() > 0]
         for index in candidates:
             if layout.params[index].grad.is_sparse:
                 raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
         if not candidates:
-            return set(), True
+            return set(), True, True
         grads = [layout.params[i].grad for i in candidates]
         device = grads[0].device
         peaks = torch.stack([peak.float().to(device) for peak in torch._foreach_norm(grads, float("inf"))]).tolist()
-        finite = [math.isfinite(peak) for peak in peaks]
-        self.nonfinite_grad_skips += finite.count(False)
-        return {index for index, ok in zip(candidates, finite) if ok}, not any(peaks)
+        return set(candidates), all(math.isfinite(peak) for peak in peaks), not any(peaks)
 
     def _decay_weights(self, layout: _Layout, active: set[int]) -> None:
         for group_index, group in enumerate(self.param_groups):
@@ -710,79 +823,80 @@ class DASH(torch.optim.Optimizer):
         shift = 1 if self.nesterov else 0
         return _per_block([1.0 - b ** (t + shift) for b, t in zip(betas1, steps)], counts, device)
 
-    def _update_momentum(self, momentum: Optional[Tensor], grad: Tensor, beta1: PerBlock) -> Tensor:
-        """Advance the EMA of the gradient and return the momentum the step follows."""
+    def _next_momentum(self, momentum: Optional[Tensor], grad: Tensor, beta1: PerBlock
+                       ) -> tuple[Optional[Tensor], Tensor]:
+        """The next EMA of the gradient (a new tensor) and the momentum the step follows."""
         if momentum is None:
-            return grad
-        momentum.lerp_(grad, 1.0 - beta1)
-        return grad.lerp(momentum, beta1) if self.nesterov else momentum
+            return None, grad
+        following = momentum.lerp(grad, 1.0 - beta1)
+        return following, (grad.lerp(following, beta1) if self.nesterov else following)
 
-    def _step_vectors(self, layout: _Layout, vector: _VectorGroup, active: set[int]) -> None:
-        """Grafting-optimizer step for the one-dimensional parameters of one group."""
+    def _vector_work(self, layout: _Layout, vector: _VectorGroup, active: set[int]) -> Optional[_VectorWork]:
+        """Candidate grafting-optimizer step of the one-dimensional parameters of one group."""
         members = [k for k, index in enumerate(vector.param_indices) if index in active]
         if not members:
-            return
+            return None
         group = self.param_groups[vector.group_index]
         params = [layout.params[vector.param_indices[k]] for k in members]
         numels = [vector.numels[k] for k in members]
-        device = vector.momentum.device
-        grad = torch.cat([p.grad.reshape(-1).float() for p in params])
+        device, dtype = vector.momentum.device, vector.momentum.dtype
+        grad = torch.cat([p.grad.reshape(-1).to(dtype) for p in params])
         if len(members) == len(vector.param_indices):
-            index, momentum, second = None, vector.momentum, vector.second_moment
+            index, momentum, rms = None, vector.momentum, vector.rms
         else:
             index = torch.cat([
                 torch.arange(vector.offsets[k], vector.offsets[k] + vector.numels[k]) for k in members
             ]).to(device)
-            momentum, second = vector.momentum[index], vector.second_moment[index]
+            momentum, rms = vector.momentum[index], vector.rms[index]
         steps = [layout.steps[vector.param_indices[k]] for k in members]
         beta1, _ = group["betas"]
         kind = "adam" if self.grafting == "none" else self.grafting
         graft_beta2 = group["grafting_beta2"]
         if uses_second_moment(kind):
-            update_second_moment(second, grad, kind, graft_beta2)
-        followed = self._update_momentum(momentum if beta1 > 0 else None, grad, beta1)
+            rms = next_rms(rms, grad, kind, graft_beta2)
+        momentum, followed = self._next_momentum(momentum if beta1 > 0 else None, grad, beta1)
         first_term = self._momentum_terms(steps, numels, [beta1] * len(steps), device)
         second_term = (
             _per_block([1.0 - graft_beta2**t for t in steps], numels, device) if self.bias_correction else 1.0
         )
-        direction = grafting_direction(followed / first_term, second, kind, group["grafting_epsilon"], second_term)
-        update = direction.mul_(-group["lr"]).split(numels)
-        torch._foreach_add_(params, [u.view(p.shape) for u, p in zip(update, params)])
-        if index is not None:
-            vector.momentum[index] = momentum
-            vector.second_moment[index] = second
+        direction = grafting_direction(followed / first_term, rms, kind, group["grafting_epsilon"], second_term)
+        update = direction.mul_(-group["lr"])
+        return _VectorWork(vector, params, numels, index, momentum, rms, update)
 
     def _begin_stack(self, layout: _Layout, stack: _Stack, active: set[int]) -> Optional[_StackWork]:
-        """Update factors, second moment and momentum of the moving blocks of one stack."""
+        """Candidate factors, second moment and momentum of the moving blocks of one stack."""
         regions = [r for r in stack.plan.regions if r.param_index in active]
         if not regions:
             return None
         if len(regions) == len(stack.plan.regions):
-            plan, index, state = stack.plan, None, stack.state
+            plan, index, state = stack.plan, None, stack.state.copy()
         else:
             plan, positions = stack.plan.subset({r.param_index for r in regions})
             index = torch.tensor(positions, device=stack.state.left_factor.device)
             state = stack.state.select(index)
-        device = state.left_factor.device
+        device, dtype = state.left_factor.device, state.left_factor.dtype
         grads = {
             r.param_index: layout.params[r.param_index].grad.reshape(matrix_shape(layout.params[r.param_index].shape))
             for r in plan.regions
         }
-        grad = plan.gather(grads)
+        grad = plan.gather(grads, dtype=dtype)
         counts = [r.num_blocks for r in plan.regions]
         groups = [self.param_groups[layout.group_of[r.param_index]] for r in plan.regions]
         steps = [layout.steps[r.param_index] for r in plan.regions]
         betas1 = [g["betas"][0] for g in groups]
         beta1 = _blockwise(_per_block(betas1, counts, device))
-        beta2 = _blockwise(_per_block([g["betas"][1] for g in groups], counts, device))
+        beta2 = _per_block([g["betas"][1] for g in groups], counts, device)
 
-        _accumulate(state.left_factor, grad, grad.transpose(1, 2), beta2)
-        _accumulate(state.right_factor, grad.transpose(1, 2), grad, beta2)
+        state.left_factor, state.right_factor, state.factor_scale = accumulate_factors(
+            state.left_factor, state.right_factor, state.factor_scale, grad, beta2
+        )
         if uses_second_moment(self.grafting):
             graft_beta2 = _blockwise(_per_block([g["grafting_beta2"] for g in groups], counts, device))
-            update_second_moment(state.ensure(SECOND_MOMENT), grad, self.grafting, graft_beta2)
+            state.grafting_rms = next_rms(state.ensure(GRAFTING_RMS), grad, self.grafting, graft_beta2)
         wants_momentum = any(b > 0 for b in betas1)
-        followed = self._update_momentum(state.ensure(MOMENTUM) if wants_momentum else None, grad, beta1)
+        state.momentum, followed = self._next_momentum(
+            state.ensure(MOMENTUM) if wants_momentum else None, grad, beta1
+        )
         first_term = _blockwise(self._momentum_terms(steps, counts, betas1, device))
 
         due_regions = [k for k, (t, g) in enumerate(zip(steps, groups)) if _roots_due(t, g)]
@@ -794,28 +908,29 @@ class DASH(torch.optim.Optimizer):
             ]).to(device)
         return _StackWork(stack, plan, index, state, followed / first_term, steps, groups, due, due_regions)
 
-    def _root_inputs(self, work: _StackWork) -> tuple[Tensor, Tensor, Tensor]:
-        """Bias-corrected factors and epsilon of the blocks whose roots are due."""
+    def _root_inputs(self, work: _StackWork) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Factors, scales (bias-corrected) and epsilon of the blocks whose roots are due."""
         counts = [work.plan.regions[k].num_blocks for k in work.due_regions]
         groups = [work.groups[k] for k in work.due_regions]
         device = work.state.left_factor.device
-        left, right = work.state.left_factor, work.state.right_factor
+        left, right, scale = work.state.left_factor, work.state.right_factor, work.state.factor_scale
         if work.due is not None:
-            left, right = left[work.due], right[work.due]
+            left, right, scale = left[work.due], right[work.due], scale[work.due]
         if self.bias_correction:
-            correction = _blockwise(_per_block(
+            correction = _per_block(
                 [1.0 - g["betas"][1] ** work.steps[k] if g["betas"][1] < 1 else 1.0
                  for k, g in zip(work.due_regions, groups)],
                 counts, device,
-            ))
-            left, right = left / correction, right / correction
+            )
+            scale = scale / (correction.double() if isinstance(correction, Tensor) else correction)
         eps = _per_block([g["epsilon"] for g in groups], counts, device)
         if not isinstance(eps, Tensor):
             eps = torch.full((left.shape[0],), eps, device=device)
-        return left, right, eps
+        return left, right, scale, eps
 
     def _compute_roots(self, works: list[_StackWork]) -> list[Tensor]:
-        """Recompute due roots, batching all factors of one size across stacks.
+        """Recompute due roots into the works' candidate states, batching all factors
+        of one size across stacks.
 
         Returns per-stack ``[failed blocks, longest failure streak]`` tensors (not yet
         read back), empty when no root was due.
@@ -824,69 +939,86 @@ class DASH(torch.optim.Optimizer):
         return self._install_roots(job, self._solve_roots(job))
 
     def _root_job(self, works: list[_StackWork], whole_stacks: bool) -> _RootJob:
-        """The due factors of ``works`` (bias-corrected copies), one request per size.
+        """The due factors of ``works`` (copies), one request per size and dtype.
 
         Results go to each work's own state (``whole_stacks=False``, this step) or to
         its stack's full state (``True``: installed at a later step, after the work's
-        blocks have been written back).
+        blocks have been committed).
         """
         targets: list[tuple[StackState, Optional[Tensor]]] = []
-        sizes: dict[int, tuple[list[Tensor], list[Tensor], list[tuple[int, str]]]] = {}
+        sizes: dict[tuple[int, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple[int, str]]]]
+        sizes = {}
+        smallest: dict[tuple[int, torch.dtype], float] = {}
         for work in works:
             if not work.due_regions:
                 continue
-            left, right, eps = self._root_inputs(work)
+            left, right, scale, eps = self._root_inputs(work)
             target = len(targets)
             targets.append((work.stack.state, _stack_positions(work)) if whole_stacks else (work.state, work.due))
             for side, factor in (("left", left), ("right", right)):
-                factors, epsilons, pieces = sizes.setdefault(factor.shape[1], ([], [], []))
-                factors.append(factor)
+                key = (factor.shape[1], factor.dtype)
+                factors, scales, epsilons, pieces = sizes.setdefault(key, ([], [], [], []))
+                smallest[key] = min([smallest.get(key, math.inf)] + [work.groups[k]["epsilon"] for k in work.due_regions])
+                factors.append(factor.clone() if whole_stacks else factor)
+                scales.append(scale)
                 epsilons.append(eps)
                 pieces.append((target, side))
         requests = [
-            _RootRequest(torch.cat(factors), torch.cat(epsilons), pieces, [f.shape[0] for f in factors])
-            for factors, epsilons, pieces in sizes.values()
+            _RootRequest(torch.cat(factors), torch.cat(epsilons), torch.cat(scales), smallest[key], pieces,
+                         [f.shape[0] for f in factors])
+            for key, (factors, scales, epsilons, pieces) in sizes.items()
         ]
         return _RootJob(targets, requests)
 
     def _solve_roots(self, job: _RootJob) -> list[RootResult]:
         """The inverse fourth roots of every request (on whichever stream is current)."""
-        return [inverse_root(request.inputs, request.eps, 4, self.root_settings) for request in job.requests]
+        return [inverse_root(request.inputs, request.eps, 4, self.root_settings, request.scale, request.min_eps)
+                for request in job.requests]
 
     def _install_roots(self, job: _RootJob, solved: list[RootResult]) -> list[Tensor]:
-        """Accept solved roots into their targets; returns their failure tensors."""
+        """Accept solved roots into their targets; returns their failure tensors.
+
+        A block's new roots are accepted when both are finite and, for the Newton
+        solvers, both residuals are at most :func:`failure_residual`.
+        """
         residuals = [result.residual.max() for result in solved if result.residual is not None]
         self.last_root_residual = torch.stack(residuals).max() if residuals else None
-        pieces: dict[tuple[int, str], Tensor] = {}
+        limit = failure_residual(self.root_settings)
+        pieces: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         for request, result in zip(job.requests, solved):
-            pieces.update(zip(request.pieces, result.root.split(request.counts)))
+            ok = torch.isfinite(result.root).all(dim=(1, 2))
+            if result.residual is not None:
+                ok = ok & (result.residual <= limit)
+            pieces.update(zip(request.pieces, zip(result.root.split(request.counts), ok.split(request.counts))))
         return [
-            self._accept_roots(state, due, pieces[(target, "left")], pieces[(target, "right")])
+            self._accept_roots(state, due, *pieces[(target, "left")], *pieces[(target, "right")])
             for target, (state, due) in enumerate(job.targets)
         ]
 
     @staticmethod
-    def _accept_roots(state: StackState, due: Optional[Tensor], left: Tensor, right: Tensor) -> Tensor:
-        """Keep new roots where both factors are finite; otherwise keep the previous ones."""
-        ok = torch.isfinite(left).all(dim=(1, 2)) & torch.isfinite(right).all(dim=(1, 2))
+    def _accept_roots(state: StackState, due: Optional[Tensor], left: Tensor, left_ok: Tensor,
+                      right: Tensor, right_ok: Tensor) -> Tensor:
+        """Keep new roots where both are acceptable, otherwise the previous ones. The
+        state's root tensors are replaced, never written in place (they may be shared
+        with the committed state until the step commits)."""
+        ok = left_ok & right_ok
         select = ok[:, None, None]
         if due is None:
-            state.left_root.copy_(torch.where(select, left, state.left_root))
-            state.right_root.copy_(torch.where(select, right, state.right_root))
-            state.root_valid.logical_or_(ok)
-            state.root_failures.copy_(torch.where(ok, 0, state.root_failures + 1))
+            state.left_root = torch.where(select, left, state.left_root)
+            state.right_root = torch.where(select, right, state.right_root)
+            state.root_valid = state.root_valid | ok
+            state.root_failures = torch.where(ok, 0, state.root_failures + 1).to(torch.int32)
             streak = state.root_failures
         else:
-            state.left_root.index_copy_(0, due, torch.where(select, left, state.left_root[due]))
-            state.right_root.index_copy_(0, due, torch.where(select, right, state.right_root[due]))
-            state.root_valid.index_copy_(0, due, state.root_valid[due] | ok)
-            streak = torch.where(ok, 0, state.root_failures[due] + 1)
-            state.root_failures.index_copy_(0, due, streak)
+            state.left_root = state.left_root.index_copy(0, due, torch.where(select, left, state.left_root[due]))
+            state.right_root = state.right_root.index_copy(0, due, torch.where(select, right, state.right_root[due]))
+            state.root_valid = state.root_valid.index_copy(0, due, state.root_valid[due] | ok)
+            streak = torch.where(ok, 0, state.root_failures[due] + 1).to(torch.int32)
+            state.root_failures = state.root_failures.index_copy(0, due, streak)
         return torch.stack([(~ok).sum(), streak.max()]).to(torch.int64)
 
-    def _finish_stack(self, layout: _Layout, work: _StackWork, updates: Optional[Tensor]) -> None:
-        """Precondition and graft the moving blocks of one stack; apply their update, or
-        write it into this rank's ``updates`` buffer when blocks are shared across ranks."""
+    def _direction(self, work: _StackWork) -> Tensor:
+        """The update (``-lr`` times the grafted direction) of the moving blocks of one stack."""
         state, plan = work.state, work.plan
         device = state.left_factor.device
         counts = [r.num_blocks for r in plan.regions]
@@ -898,7 +1030,7 @@ class DASH(torch.optim.Optimizer):
             ))
         kind = "adam" if self.grafting == "none" else self.grafting
         epsilon = _blockwise(_per_block([g["grafting_epsilon"] for g in groups], counts, device))
-        fallback = grafting_direction(work.momentum, state.grafting_second_moment, kind, epsilon, second_term)
+        fallback = grafting_direction(work.momentum, state.grafting_rms, kind, epsilon, second_term)
         started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]
         if any(started):
             shampoo = torch.bmm(torch.bmm(state.left_root, work.momentum), state.right_root)
@@ -913,19 +1045,24 @@ class DASH(torch.optim.Optimizer):
             direction = torch.where(use[:, None, None], shampoo, fallback)
         else:
             direction = fallback
-        direction.mul_(_blockwise(_per_block([-g["lr"] for g in groups], counts, device)))
-        if updates is None:
-            self._apply(layout, plan, direction)
+        return direction.mul_(_blockwise(_per_block([-g["lr"] for g in groups], counts, device)))
+
+    def _exchange_buffer(self, layout: _Layout) -> Tensor:
+        """This rank's flat buffer of block updates (float64 when any stack is float64)."""
+        wide = any(stack.state.left_factor.dtype == torch.float64 for stack in layout.stacks)
+        dtype = torch.float64 if wide else torch.float32
+        return torch.zeros(layout.exchange.size, device=layout.params[0].device, dtype=dtype)
+
+    @staticmethod
+    def _write_update(work: _StackWork, direction: Tensor, updates: Tensor) -> None:
+        """Place one stack's block updates in this rank's exchange buffer."""
+        full, offset = work.stack.plan, work.stack.update_offset
+        rows, cols = full.block_shape
+        window = updates[offset : offset + full.num_blocks * rows * cols].view(full.num_blocks, rows, cols)
+        if work.index is None:
+            window.copy_(direction)
         else:
-            full, offset = work.stack.plan, work.stack.update_offset
-            rows, cols = full.block_shape
-            window = updates[offset : offset + full.num_blocks * rows * cols].view(full.num_blocks, rows, cols)
-            if work.index is None:
-                window.copy_(direction)
-            else:
-                window.index_copy_(0, work.index, direction)
-        if work.index is not None:
-            work.stack.state.commit(work.index, state)
+            window.index_copy_(0, work.index, direction.to(window.dtype))
 
     @staticmethod
     def _apply(layout: _Layout, plan: StackPlan, update: Tensor) -> None:
@@ -940,11 +1077,23 @@ class DASH(torch.optim.Optimizer):
                 region.window(dense).copy_(region.tiles(update))
                 param.add_(dense.view(param.shape))
 
-    def _check_failures(self, layout: _Layout, stacks: list[_Stack], failures: list[Tensor]) -> None:
-        """Count failed roots over all ranks; raise once a block's streak reaches the limit
-        (naming the parameter when one of ``stacks`` holds the block).
+    def _apply_gathered(self, layout: _Layout, gathered: list[Tensor]) -> None:
+        """Add every rank's block updates to the parameters, in the same order on all ranks."""
+        for flat, plans, offsets in zip(gathered, layout.exchange.plans, layout.exchange.offsets):
+            for plan, offset in zip(plans, offsets):
+                rows, cols = plan.block_shape
+                update = flat[offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
+                self._apply(layout, plan, update)
 
-        With several ranks this is collective, so every rank raises together.
+    def _check_failures(self, layout: _Layout, streaks: list[tuple[StackPlan, Tensor]],
+                        failures: list[Tensor]) -> None:
+        """Count failed roots over all ranks; raise once a block's streak reaches the limit
+        (naming the parameter when one of ``streaks`` — plans with their per-block
+        failure streaks — holds the block).
+
+        With several ranks this is collective, so every rank raises together. In a
+        synchronous step the streaks are the step's candidates, so the error comes
+        before anything but the counters has changed.
         """
         local = torch.stack(failures).float() if failures else torch.zeros(1, 2)
         summary = torch.stack([local[:, 0].sum(), local[:, 1].max()])
@@ -957,11 +1106,11 @@ class DASH(torch.optim.Optimizer):
         limit = self.max_consecutive_root_failures
         if limit is None or int(summary[1]) < limit:
             return
-        for stack in stacks:
-            streaks = stack.state.root_failures.cpu()
-            for region in stack.plan.regions:
+        for plan, streak in streaks:
+            streak = streak.cpu()
+            for region in plan.regions:
                 block = region.stack_offset
-                if int(streaks[block : block + region.num_blocks].max()) >= limit:
+                if int(streak[block : block + region.num_blocks].max()) >= limit:
                     raise RootComputationError(
                         f"inverse root of {layout.names[region.param_index]} failed {limit} times in a row "
                         f"(method={self.root_settings.method}); try a larger epsilon, a lower lr, or 'eigh'"
@@ -984,7 +1133,7 @@ def _merge_rank_states(states: list[dict[int, dict[str, Tensor]]]) -> dict[int, 
                     target[name] = value.clone()
                 elif name == ROOT_VALID:
                     target[name] |= value
-                elif name in (MOMENTUM, SECOND_MOMENT, ROOT_FAILURES):
+                elif name in (MOMENTUM, GRAFTING_RMS, ROOT_FAILURES):
                     target[name] += value
                 else:
                     target[name] = value

@@ -11,6 +11,7 @@ hyperparameters may be Python numbers or tensors that broadcast per block.
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -30,17 +31,26 @@ def uses_second_moment(kind: str) -> bool:
     return kind != "sgd"
 
 
-def update_second_moment(accumulator: Tensor, grad: Tensor, kind: str, beta2: Scalar) -> None:
-    """Accumulate ``grad**2`` in place: a running sum for AdaGrad, an EMA otherwise."""
+def next_rms(rms: Tensor, grad: Tensor, kind: str, beta2: Scalar) -> Tensor:
+    """The next root of the second moment (a new tensor), without ever squaring ``grad``.
+
+    The grafting optimizers accumulate ``v <- b2 v + (1 - b2) g^2`` (an EMA) or
+    ``v <- v + g^2`` (AdaGrad). The state holds ``r = sqrt(v)``, updated as
+    ``hypot(sqrt(b2) r, sqrt(1 - b2) |g|)``: ``g^2`` overflows float32 from
+    ``|g| ~ 2e19``, ``r`` stays finite for every finite gradient (the EMA is never
+    above ``max(r, |g|)``).
+    """
+    magnitude = grad.abs()
     if kind == "adagrad":
-        accumulator.addcmul_(grad, grad)
-    else:
-        accumulator.lerp_(grad * grad, 1.0 - beta2)
+        return torch.hypot(rms, magnitude)
+    keep = beta2.sqrt() if isinstance(beta2, Tensor) else math.sqrt(beta2)
+    add = (1.0 - beta2).sqrt() if isinstance(beta2, Tensor) else math.sqrt(1.0 - beta2)
+    return torch.hypot(rms * keep, magnitude.mul_(add))
 
 
 def grafting_direction(
     momentum: Tensor,
-    accumulator: Tensor | None,
+    rms: Tensor | None,
     kind: str,
     epsilon: Scalar,
     second_moment_correction: Scalar,
@@ -49,18 +59,33 @@ def grafting_direction(
 
     Args:
         momentum: the momentum the step follows, already bias-corrected.
-        accumulator: the second-moment state (unused for ``"sgd"``).
+        rms: the root of the second moment (see :func:`update_rms`; unused for ``"sgd"``).
         kind: one of :data:`GRAFTING_TYPES`; ``"none"`` behaves as Adam here.
         epsilon: added to the root of the second moment.
         second_moment_correction: Adam's ``1 - beta2**t`` (1 disables it).
+
+    Adam's ``m / (r / sqrt(c) + eps)`` is evaluated as ``m sqrt(c) / (r + eps sqrt(c))``,
+    which cannot overflow for a large ``r``.
     """
     if kind == "sgd":
         return momentum
     if kind in ("adagrad", "rmsprop"):
-        denominator = accumulator.sqrt()
-    else:
-        denominator = (accumulator / second_moment_correction).sqrt()
-    return momentum / (denominator + epsilon)
+        return momentum / (rms + epsilon)
+    root = (second_moment_correction.sqrt() if isinstance(second_moment_correction, Tensor)
+            else math.sqrt(second_moment_correction))
+    return (momentum * root) / (rms + epsilon * root)
+
+
+def block_norm(blocks: Tensor) -> Tensor:
+    """Frobenius norm of each block (leading dimension), shaped to broadcast over it.
+
+    Computed on the blocks divided by their largest entry, so it neither overflows
+    for entries above ~1e19 nor underflows below ~1e-19 in float32.
+    """
+    dims = tuple(range(1, blocks.dim()))
+    peak = blocks.abs().amax(dim=dims, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return torch.linalg.vector_norm(blocks / peak, dim=dims, keepdim=True) * peak
 
 
 def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
@@ -68,7 +93,5 @@ def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
 
     Blocks are indexed by the leading dimension. A zero ``direction`` stays zero.
     """
-    dims = tuple(range(1, direction.dim()))
-    target = torch.linalg.vector_norm(reference, dim=dims, keepdim=True)
-    current = torch.linalg.vector_norm(direction, dim=dims, keepdim=True)
-    return direction * (target / current.clamp_min(torch.finfo(current.dtype).tiny))
+    target, current = block_norm(reference), block_norm(direction)
+    return direction / current.clamp_min(torch.finfo(current.dtype).tiny) * target

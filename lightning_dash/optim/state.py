@@ -7,9 +7,14 @@ the parameter's own coordinates. :func:`export_stack` and :func:`import_stack`
 translate between the two; exported tensors are copies, never views into a stack.
 
 Per-parameter keys of a preconditioned parameter:
-``step``, ``momentum`` and ``grafting_second_moment`` (parameter-shaped),
+``step``, ``momentum`` and ``grafting_rms`` (parameter-shaped; the square root of the
+grafting optimizer's second moment, which never overflows where its square would),
 ``root_valid`` and ``root_failures`` (one entry per tile), and per tile ``(i, j)``
-``left_factor_i_j``, ``right_factor_i_j``, ``left_root_i_j``, ``right_root_i_j``.
+``left_factor_i_j``, ``right_factor_i_j`` (stored divided by the tile's
+``factor_scale_i_j``, a float64 scalar, so that statistics of any finite gradient stay
+finite), ``left_root_i_j`` and ``right_root_i_j``. State dicts written before
+``grafting_rms`` and ``factor_scale`` existed (``grafting_second_moment``, unscaled
+factors) load too.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from torch import Tensor
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
 
 FACTOR_KEYS = ("left_factor", "right_factor", "left_root", "right_root")
+FACTOR_SCALE = "factor_scale"
 MOMENTUM = "momentum"
-SECOND_MOMENT = "grafting_second_moment"
+GRAFTING_RMS = "grafting_rms"
+#: The key under which older state dicts kept the grafting second moment (not its root).
+LEGACY_SECOND_MOMENT = "grafting_second_moment"
 ROOT_VALID = "root_valid"
 ROOT_FAILURES = "root_failures"
 
@@ -39,13 +47,16 @@ class StackState:
     right_root: Tensor
     root_valid: Tensor
     root_failures: Tensor
+    factor_scale: Tensor
     momentum: Optional[Tensor] = None
-    grafting_second_moment: Optional[Tensor] = None
+    grafting_rms: Optional[Tensor] = None
 
     @classmethod
-    def zeros(cls, num_blocks: int, shape: tuple[int, int], device: torch.device) -> "StackState":
+    def zeros(cls, num_blocks: int, shape: tuple[int, int], device: torch.device,
+              dtype: torch.dtype = torch.float32) -> "StackState":
+        """Empty statistics in ``dtype`` (float64 for float64 parameters, else float32)."""
         rows, cols = shape
-        square = lambda size: torch.zeros(num_blocks, size, size, device=device)  # noqa: E731
+        square = lambda size: torch.zeros(num_blocks, size, size, device=device, dtype=dtype)  # noqa: E731
         return cls(
             left_factor=square(rows),
             right_factor=square(cols),
@@ -53,6 +64,7 @@ class StackState:
             right_root=square(cols),
             root_valid=torch.zeros(num_blocks, dtype=torch.bool, device=device),
             root_failures=torch.zeros(num_blocks, dtype=torch.int32, device=device),
+            factor_scale=torch.zeros(num_blocks, dtype=torch.float64, device=device),
         )
 
     def ensure(self, name: str) -> Tensor:
@@ -61,9 +73,19 @@ class StackState:
         if tensor is None:
             num_blocks, rows, _ = self.left_factor.shape
             cols = self.right_factor.shape[1]
-            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device)
+            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device,
+                                 dtype=self.left_factor.dtype)
             setattr(self, name, tensor)
         return tensor
+
+    def copy(self) -> "StackState":
+        """A new record holding the same tensors (fields can then be replaced freely)."""
+        return StackState(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def assign(self, other: "StackState") -> None:
+        """Take every field of ``other`` (the tensors themselves, not copies)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
 
     def select(self, index: Tensor) -> "StackState":
         """Copies of the blocks at ``index`` (for steps where only some blocks move)."""
@@ -107,10 +129,10 @@ def export_stack(
         grid = _grid_shape(shape, block_size)
         valid = entry.setdefault(ROOT_VALID, torch.zeros(grid, dtype=torch.bool))
         failures = entry.setdefault(ROOT_FAILURES, torch.zeros(grid, dtype=torch.int32))
-        for name in (MOMENTUM, SECOND_MOMENT):
+        for name in (MOMENTUM, GRAFTING_RMS):
             stacked = getattr(state, name)
             if stacked is not None:
-                full = entry.setdefault(name, torch.zeros(param.shape, device=stacked.device))
+                full = entry.setdefault(name, torch.zeros(param.shape, device=stacked.device, dtype=stacked.dtype))
                 region.window(full.view(shape)).copy_(region.tiles(stacked))
         for row in range(region.tile_rows):
             for col in range(region.tile_cols):
@@ -118,6 +140,7 @@ def export_stack(
                 i, j = _tile_index(region, block_size, row, col)
                 for key in FACTOR_KEYS:
                     entry[f"{key}_{i}_{j}"] = getattr(state, key)[block].clone()
+                entry[f"{FACTOR_SCALE}_{i}_{j}"] = state.factor_scale[block].clone()
                 valid[i, j] = root_valid[block]
                 failures[i, j] = root_failures[block]
 
@@ -140,7 +163,7 @@ def import_stack(
             continue
         param = params[region.param_index]
         shape = matrix_shape(param.shape)
-        for name in (MOMENTUM, SECOND_MOMENT):
+        for name in (MOMENTUM, GRAFTING_RMS):
             if name in entry:
                 full = entry[name]
                 if full.numel() != param.numel():
@@ -160,7 +183,76 @@ def import_stack(
                             f"{block_size}: missing or mis-shaped {key}_{i}_{j}"
                         )
                     target.copy_(saved_block)
+                saved_scale = entry.get(f"{FACTOR_SCALE}_{i}_{j}")
+                state.factor_scale[block] = 1.0 if saved_scale is None else saved_scale
                 root_valid[block] = entry[ROOT_VALID][i, j]
                 root_failures[block] = entry[ROOT_FAILURES][i, j]
     state.root_valid.copy_(root_valid)
     state.root_failures.copy_(root_failures)
+
+
+#: Per-group keys every DASH state dict carries (an AdamW state dict has none of them).
+DASH_GROUP_KEYS = ("grafting_beta2", "grafting_epsilon", "precondition_frequency",
+                   "start_preconditioning_step", "shampoo_blend")
+
+
+def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], block_size: int) -> None:
+    """Reject, with a ``ValueError`` naming the problem, a state dict DASH cannot resume
+    from: another optimizer's, one whose block layout differs from ``block_size`` for
+    these ``params`` (in state-dict order), or one holding non-finite statistics.
+    Checked at load so that nothing fails, or NaNs the model, steps later."""
+    for position, group in enumerate(state_dict.get("param_groups", [])):
+        missing = [key for key in DASH_GROUP_KEYS if key not in group]
+        if missing:
+            raise ValueError(
+                f"load_state_dict: param_groups[{position}] lacks the DASH keys {missing}: this is not "
+                "a DASH state dict (to start DASH from another optimizer's run, load the model's "
+                "weights only)"
+            )
+    saved_keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
+    position_of = {key: position for position, key in enumerate(saved_keys)}
+    for key, entry in state_dict.get("state", {}).items():
+        if key not in position_of or position_of[key] >= len(params):
+            continue  # torch's own checks report a parameter-count mismatch
+        position = position_of[key]
+        param, name = params[position], names[position]
+        for item, value in entry.items():
+            if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"load_state_dict: saved {item} of {name} holds non-finite values")
+        _check_tiles(entry, param, name, block_size)
+
+
+def _check_tiles(entry: dict, param: Tensor, name: str, block_size: int) -> None:
+    if param.dim() < 2 or param.numel() == 0:
+        return
+    shape = matrix_shape(param.shape)
+    rows, cols = _grid_shape(shape, block_size)
+    for item, value in entry.items():
+        key, _, tile = item.rpartition("_")
+        key, _, row = key.rpartition("_")
+        if key not in FACTOR_KEYS:
+            continue
+        i, j = int(row), int(tile)
+        side = min(block_size, shape[0] - i * block_size) if key.startswith("left") else (
+            min(block_size, shape[1] - j * block_size))
+        if i >= rows or j >= cols or tuple(value.shape) != (side, side):
+            raise ValueError(
+                f"load_state_dict: saved {item} of {name} {tuple(value.shape)} does not fit "
+                f"block_size={block_size} for a parameter of shape {tuple(param.shape)}; was it "
+                "saved with another block_size or for another model?"
+            )
+    for item in (ROOT_VALID, ROOT_FAILURES):
+        if item in entry and tuple(entry[item].shape) != (rows, cols):
+            raise ValueError(
+                f"load_state_dict: saved {item} of {name} has a {tuple(entry[item].shape)} tile grid, "
+                f"block_size={block_size} gives {(rows, cols)}; was it saved with another block_size?"
+            )
+
+
+def upgrade_entry(entry: dict) -> dict:
+    """An older per-parameter entry in today's layout: the grafting second moment
+    becomes its square root (factors without a saved scale are taken as unscaled)."""
+    if LEGACY_SECOND_MOMENT in entry and GRAFTING_RMS not in entry:
+        entry = dict(entry)
+        entry[GRAFTING_RMS] = entry.pop(LEGACY_SECOND_MOMENT).clamp_min(0).sqrt()
+    return entry

@@ -117,7 +117,10 @@ def check_optimizer_options(options: dict[str, Any]) -> dict[str, Any]:
         "grafting": check_choice("grafting", options["grafting"], GRAFTING_TYPES),
         "nesterov": _check_bool("nesterov", options["nesterov"]),
         "bias_correction": _check_bool("bias_correction", options["bias_correction"]),
-        "root_iterations": check_int("root_iterations", options["root_iterations"], low=1),
+        "root_iterations": (
+            None if options["root_iterations"] is None else check_int("root_iterations", options["root_iterations"], low=1)
+        ),
+        "relative_epsilon": _check_bool("relative_epsilon", options["relative_epsilon"]),
         "chebyshev_degree": check_int("chebyshev_degree", options["chebyshev_degree"], low=2),
         "max_consecutive_root_failures": (
             None
@@ -148,6 +151,8 @@ _OVERRIDE_CHECKS = {
     "factor_decay": lambda v: check_number("factor_decay", v, low=0.0, high=1.0),
     "async_preconditioning": lambda v: check_async_preconditioning(v),
     "max_staleness": lambda v: check_max_staleness(v),
+    "relative_epsilon": lambda v: _check_bool("relative_epsilon", v),
+    "allow_custom_step": lambda v: _check_bool("allow_custom_step", v),
 }
 
 

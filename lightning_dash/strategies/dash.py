@@ -60,6 +60,9 @@ class DashStrategy(DDPStrategy):
         root_iterations: DASH options; None keeps the value mapped from the
             user's optimizer or DASH's default.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
+        relative_epsilon: whether ``epsilon`` is relative to each factor's norm (DASH's default).
+        allow_custom_step: convert a subclass of a supported optimizer that overrides
+            ``step`` (its own update rule is then lost; refused by default).
         async_preconditioning, max_staleness: compute each rank's due roots on a side CUDA
             stream and swap them in at most ``max_staleness`` steps later (see
             :class:`~lightning_dash.optim.DASH`); off CUDA training is unchanged.
@@ -90,6 +93,8 @@ class DashStrategy(DDPStrategy):
         factor_decay: Optional[float] = None,
         async_preconditioning: Optional[bool] = None,
         max_staleness: Optional[int] = None,
+        relative_epsilon: Optional[bool] = None,
+        allow_custom_step: Optional[bool] = None,
         communication_dtype: Union[torch.dtype, str] = torch.float32,
         gradient_sync: str = "allreduce",
         demo_topk: int = 32,
@@ -121,6 +126,8 @@ class DashStrategy(DDPStrategy):
             factor_decay=factor_decay,
             async_preconditioning=async_preconditioning,
             max_staleness=max_staleness,
+            relative_epsilon=relative_epsilon,
+            allow_custom_step=allow_custom_step,
         ))
         self.communication_dtype = check_communication_dtype(communication_dtype)
 

@@ -49,6 +49,9 @@ class Dash(Algorithm):
             original optimizer, e.g. Adam for ``DecoupledAdamW``).
         epsilon: damping of the factors before the roots.
         root_iterations: iterations of the Newton solvers.
+        relative_epsilon: whether ``epsilon`` is relative to each factor's norm (DASH's default).
+        allow_custom_step: convert a subclass of a supported optimizer that overrides
+            ``step`` (its own update rule is then lost; refused by default).
         factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
         async_preconditioning, max_staleness: on CUDA, compute the roots on a side
             stream and use them at most ``max_staleness`` steps later (see DASH).
@@ -74,6 +77,8 @@ class Dash(Algorithm):
         factor_decay: Optional[float] = None,
         async_preconditioning: Optional[bool] = None,
         max_staleness: Optional[int] = None,
+        relative_epsilon: Optional[bool] = None,
+        allow_custom_step: Optional[bool] = None,
         communication_dtype: Union[torch.dtype, str] = torch.float32,
     ) -> None:
         self.options = check_conversion_overrides(dict(
@@ -89,6 +94,8 @@ class Dash(Algorithm):
             factor_decay=factor_decay,
             async_preconditioning=async_preconditioning,
             max_staleness=max_staleness,
+            relative_epsilon=relative_epsilon,
+            allow_custom_step=allow_custom_step,
         ))
         self.communication_dtype = check_communication_dtype(communication_dtype)
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
@@ -124,6 +131,7 @@ class Dash(Algorithm):
             packed["dash"] = {
                 "root_failure_count": self.optimizer.root_failure_count,
                 "nonfinite_grad_skips": self.optimizer.nonfinite_grad_skips,
+                "nonfinite_update_skips": self.optimizer.nonfinite_update_skips,
                 "grafting": self.optimizer.grafting,
             }
         return packed
@@ -134,4 +142,5 @@ class Dash(Algorithm):
             return
         self.optimizer.root_failure_count = int(saved["root_failure_count"])
         self.optimizer.nonfinite_grad_skips = int(saved["nonfinite_grad_skips"])
+        self.optimizer.nonfinite_update_skips = int(saved.get("nonfinite_update_skips", 0))
         self.optimizer.grafting = saved["grafting"]

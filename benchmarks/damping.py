@@ -1,0 +1,150 @@
+"""How DASH's damping is chosen: validation loss and sensitivity to roundoff.
+
+For every damping candidate (absolute ``1e-12``, the default before damping became
+relative, and relative ``epsilon`` values) and solver, this script measures:
+
+* **validation loss** of the main job's model (``make demo``: the stdlib byte-level
+  TinyGPT, width 128, depth 2, context 128, batch 32, 800 steps, 5% warm-up then
+  cosine, weight decay 0.01, DASH at the main job's lr 1.2e-2, block 256, roots every
+  10 steps), trained with a plain PyTorch loop, one run per seed;
+* **roundoff sensitivity**: a ``(20, 12)`` parameter (a factor of rank 12 in a 20 x 20
+  block, as early steps and blocks wider than the batch give) trained for 10 steps
+  with random gradients, once as is and once with every gradient multiplied by
+  ``1 + 1e-7 * randn`` (the size of the difference between a one-rank and a two-rank
+  gradient sum); reported is ``||p' - p|| / ||p - p0||``, the change relative to the
+  parameters' movement, for roots every step and every 10 steps, maximum over seeds.
+
+Outputs ``damping_<device>.json`` in ``--out`` (default ``benchmarks/results``) with
+one record per (damping, solver): ``{"device", "epsilon", "relative", "solver",
+"val_loss" (per seed), "val_loss_mean", "sensitivity_f1", "sensitivity_f10",
+"root_failures"}``, and prints a table.
+
+Run from the repository root (the default took about 25 minutes on 2 CPU cores)::
+
+    .venv/bin/python benchmarks/damping.py
+    .venv/bin/python benchmarks/damping.py --steps 40 --seeds 0   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from convergence import BETAS, WEIGHT_DECAY, Settings, train_run
+from step_time import device_label, resolve_device
+
+from lightning_dash import DASH
+from lightning_dash.demos import load_stdlib_corpus
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MAIN_JOB_LR = 1.2e-2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One damping setting with one solver."""
+
+    epsilon: float
+    relative: bool
+    solver: str
+
+    @property
+    def label(self) -> str:
+        kind = "relative" if self.relative else "absolute"
+        return f"{self.solver} {kind} {self.epsilon:g}"
+
+    def options(self) -> dict:
+        return dict(epsilon=self.epsilon, relative_epsilon=self.relative, inverse_root_method=self.solver)
+
+
+CANDIDATES = (
+    Candidate(1e-12, False, "eigh"),
+    Candidate(1e-4, True, "eigh"),
+    Candidate(1e-3, True, "eigh"),
+    Candidate(1e-4, True, "newton_db"),
+)
+
+
+def sensitivity(candidate: Candidate, frequency: int, seeds: range, steps: int = 10) -> float:
+    """Largest ``||p' - p|| / ||p - p0||`` over seeds after ``steps`` steps (see the module doc)."""
+    worst = 0.0
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        start = torch.randn(20, 12, generator=generator)
+        grads = [torch.randn(20, 12, generator=generator) for _ in range(steps)]
+        noise = [torch.randn(20, 12, generator=generator) for _ in range(steps)]
+        finals = []
+        for size in (0.0, 1e-7):
+            param = torch.nn.Parameter(start.clone())
+            optimizer = DASH([param], lr=1e-2, precondition_frequency=frequency, **candidate.options())
+            for grad, wiggle in zip(grads, noise):
+                param.grad = grad * (1.0 + size * wiggle)
+                optimizer.step()
+            finals.append(param.detach().clone())
+        worst = max(worst, float((finals[1] - finals[0]).norm() / (finals[0] - start).norm()))
+    return worst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=800)
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    settings = Settings(steps=args.steps, warmup=max(1, args.steps // 20), context=128, eval_every=args.steps,
+                        eval_batches=16, corpus_bytes=4_000_000)
+    corpus = load_stdlib_corpus(max_bytes=settings.corpus_bytes)
+    print(f"{device_label(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads; {settings}")
+    records, failures = [], {}
+    start = time.perf_counter()
+    losses: dict[Candidate, list[float]] = {c: [] for c in CANDIDATES}
+    for seed in args.seeds:  # interleaved: every candidate once per seed, in turn
+        for candidate in CANDIDATES:
+            def build(name, model, lr, candidate=candidate):
+                optimizer = DASH(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                 grafting_beta2=BETAS[1], block_size=256, precondition_frequency=10,
+                                 **candidate.options())
+                failures[(candidate, seed)] = optimizer
+                return optimizer
+
+            run = train_run("dash", MAIN_JOB_LR, seed, corpus, settings, device, build=build)
+            losses[candidate].append(run.final_val_loss)
+            print(f"  seed {seed} {candidate.label:<28} val loss {run.final_val_loss:.4f} "
+                  f"({run.wall_s:.0f} s)", flush=True)
+    for candidate in CANDIDATES:
+        record = {
+            "device": device_label(device), "epsilon": candidate.epsilon, "relative": candidate.relative,
+            "solver": candidate.solver, "val_loss": losses[candidate],
+            "val_loss_mean": statistics.mean(losses[candidate]),
+            "sensitivity_f1": sensitivity(candidate, 1, range(3)),
+            "sensitivity_f10": sensitivity(candidate, 10, range(3)),
+            "root_failures": sum(failures[(candidate, s)].root_failure_count for s in args.seeds),
+        }
+        records.append(record)
+    print(f"\n{len(CANDIDATES) * len(args.seeds)} runs in {time.perf_counter() - start:.0f} s\n")
+    print(f"| damping | val loss (mean; per seed) | roundoff sensitivity f=1 / f=10 | root failures |")
+    print("|---|---|---|---|")
+    for record in records:
+        per_seed = ", ".join(f"{v:.4f}" for v in record["val_loss"])
+        kind = "relative" if record["relative"] else "absolute"
+        print(f"| {record['solver']} {kind} {record['epsilon']:g} | {record['val_loss_mean']:.4f} ({per_seed}) | "
+              f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e} | {record['root_failures']} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"damping_{device_label(device)}.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -90,7 +90,7 @@ class ShampooLoop(torch.optim.Optimizer):
         block_size: int = 1024,
         precondition_frequency: int = 10,
         start_preconditioning_step: int = 1,
-        inverse_root_method: str = "newton_db",
+        inverse_root_method: str = "eigh",
         matrix_scaling: str = "power_iteration",
         matmul_dtype: torch.dtype = torch.float32,
         grafting_beta2: float = 0.95,

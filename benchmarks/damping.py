@@ -14,14 +14,20 @@ relative, and relative ``epsilon`` values) and solver, this script measures:
   gradient sum); reported is ``||p' - p|| / ||p - p0||``, the change relative to the
   parameters' movement, for roots every step and every 10 steps, maximum over seeds.
 
-Outputs ``damping_<device>.json`` in ``--out`` (default ``benchmarks/results``) with
-one record per (damping, solver): ``{"device", "epsilon", "relative", "solver",
+``defaults`` is whatever DASH is importable: run the script once more with
+``PYTHONPATH`` pointing at a checkout of an older version (``--candidates defaults --tag
+before``) to measure that version's defaults on the same runs.
+
+Outputs ``damping_<device>[_<tag>].json`` in ``--out`` (default ``benchmarks/results``)
+with one record per candidate: ``{"device", "label", "epsilon", "relative", "solver",
 "val_loss" (per seed), "val_loss_mean", "sensitivity_f1", "sensitivity_f10",
 "root_failures"}``, and prints a table.
 
-Run from the repository root (the default took about 25 minutes on 2 CPU cores)::
+Run from the repository root (each candidate takes 3 runs of 2-4 minutes on 2 CPU cores)::
 
     .venv/bin/python benchmarks/damping.py
+    git worktree add /tmp/before v0.1 && PYTHONPATH=/tmp/before .venv/bin/python \
+        benchmarks/damping.py --candidates defaults --tag before
     .venv/bin/python benchmarks/damping.py --steps 40 --seeds 0   # a quick look
 """
 
@@ -51,27 +57,35 @@ MAIN_JOB_LR = 1.2e-2
 
 @dataclass(frozen=True)
 class Candidate:
-    """One damping setting with one solver."""
+    """One damping setting with one solver, or (``solver=None``) the installed DASH's defaults."""
 
-    epsilon: float
+    epsilon: float | None
     relative: bool
-    solver: str
+    solver: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> "Candidate":
+        """``defaults`` or ``solver:relative|absolute:epsilon``, e.g. ``eigh:relative:1e-6``."""
+        if text == "defaults":
+            return cls(None, False, None)
+        solver, kind, epsilon = text.split(":")
+        return cls(float(epsilon), kind == "relative", solver)
 
     @property
     def label(self) -> str:
+        if self.solver is None:
+            return "defaults"
         kind = "relative" if self.relative else "absolute"
         return f"{self.solver} {kind} {self.epsilon:g}"
 
     def options(self) -> dict:
+        if self.solver is None:
+            return {}
         return dict(epsilon=self.epsilon, relative_epsilon=self.relative, inverse_root_method=self.solver)
 
 
-CANDIDATES = (
-    Candidate(1e-12, False, "eigh"),
-    Candidate(1e-4, True, "eigh"),
-    Candidate(1e-3, True, "eigh"),
-    Candidate(1e-4, True, "newton_db"),
-)
+CANDIDATES = ("defaults", "eigh:absolute:1e-12", "eigh:relative:1e-8", "eigh:relative:1e-6",
+              "newton_db:relative:1e-4")
 
 
 def sensitivity(candidate: Candidate, frequency: int, seeds: range, steps: int = 10) -> float:
@@ -100,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
+                        help="'defaults' or solver:relative|absolute:epsilon (default: %(default)s)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file, e.g. 'before' for an older checkout")
     args = parser.parse_args(argv)
+    candidates = [Candidate.parse(text) for text in args.candidates]
     device = resolve_device(args.device)
     settings = Settings(steps=args.steps, warmup=max(1, args.steps // 20), context=128, eval_every=args.steps,
                         eval_batches=16, corpus_bytes=4_000_000)
@@ -108,9 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{device_label(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads; {settings}")
     records, failures = [], {}
     start = time.perf_counter()
-    losses: dict[Candidate, list[float]] = {c: [] for c in CANDIDATES}
+    losses: dict[Candidate, list[float]] = {c: [] for c in candidates}
     for seed in args.seeds:  # interleaved: every candidate once per seed, in turn
-        for candidate in CANDIDATES:
+        for candidate in candidates:
             def build(name, model, lr, candidate=candidate):
                 optimizer = DASH(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY,
                                  grafting_beta2=BETAS[1], block_size=256, precondition_frequency=10,
@@ -122,9 +140,10 @@ def main(argv: list[str] | None = None) -> None:
             losses[candidate].append(run.final_val_loss)
             print(f"  seed {seed} {candidate.label:<28} val loss {run.final_val_loss:.4f} "
                   f"({run.wall_s:.0f} s)", flush=True)
-    for candidate in CANDIDATES:
+    for candidate in candidates:
         record = {
-            "device": device_label(device), "epsilon": candidate.epsilon, "relative": candidate.relative,
+            "device": device_label(device), "label": candidate.label + (f" ({args.tag})" if args.tag else ""),
+            "epsilon": candidate.epsilon, "relative": candidate.relative,
             "solver": candidate.solver, "val_loss": losses[candidate],
             "val_loss_mean": statistics.mean(losses[candidate]),
             "sensitivity_f1": sensitivity(candidate, 1, range(3)),
@@ -132,16 +151,15 @@ def main(argv: list[str] | None = None) -> None:
             "root_failures": sum(failures[(candidate, s)].root_failure_count for s in args.seeds),
         }
         records.append(record)
-    print(f"\n{len(CANDIDATES) * len(args.seeds)} runs in {time.perf_counter() - start:.0f} s\n")
+    print(f"\n{len(candidates) * len(args.seeds)} runs in {time.perf_counter() - start:.0f} s\n")
     print(f"| damping | val loss (mean; per seed) | roundoff sensitivity f=1 / f=10 | root failures |")
     print("|---|---|---|---|")
     for record in records:
         per_seed = ", ".join(f"{v:.4f}" for v in record["val_loss"])
-        kind = "relative" if record["relative"] else "absolute"
-        print(f"| {record['solver']} {kind} {record['epsilon']:g} | {record['val_loss_mean']:.4f} ({per_seed}) | "
+        print(f"| {record['label']} | {record['val_loss_mean']:.4f} ({per_seed}) | "
               f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e} | {record['root_failures']} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"damping_{device_label(device)}.json"
+    path = args.out / f"damping_{device_label(device)}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(records, indent=1) + "\n")
     print(f"wrote {path}")
 

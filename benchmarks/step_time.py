@@ -13,7 +13,7 @@ and gradients:
 * ``shampoo_loop``: the same update one block at a time
   (``benchmarks/_shampoo_loop.py``, the structure of Distributed Shampoo), for the
   same solver, dtype and block size;
-* ``dash_f10``: DASH with the default solver (newton_db, float32) and roots every
+* ``dash_f10``: DASH with newton_db (float32; the default solver before 0.2) and roots every
   10 steps; one sample is the mean over 10 consecutive steps (one root
   computation amortised over its period);
 * when installed, ``heavyball_soap`` (``heavyball.SOAP``), ``heavyball_shampoo``
@@ -67,7 +67,6 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _shampoo_loop import ShampooLoop
 
 from lightning_dash import DASH
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
@@ -244,6 +243,10 @@ def dash_case(solver: str, dtype: str, block_size: int, frequency: int = 1) -> C
 
 def loop_case(solver: str, dtype: str, block_size: int, rounds: int | None) -> Case:
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
+        # Imported here: scripts that reuse this module's helpers (damping.py against an
+        # older checkout) need not import the loop, which follows today's DASH.
+        from _shampoo_loop import ShampooLoop
+
         return ShampooLoop(
             params, lr=LR, block_size=block_size, precondition_frequency=1,
             inverse_root_method=solver, matmul_dtype=getattr(torch, dtype),

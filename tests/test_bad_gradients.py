@@ -172,8 +172,8 @@ def test_a_newton_root_that_did_not_converge_counts_as_failed():
     generator = torch.Generator().manual_seed(0)
     param = nn.Parameter(torch.zeros(24, 24))
     # One iteration per pass cannot resolve a damping of 1e-6: the residual stays near 1.
-    optimizer = DASH([param], lr=0.01, epsilon=1e-6, root_iterations=1, precondition_frequency=1,
-                     max_consecutive_root_failures=None)
+    optimizer = DASH([param], lr=0.01, epsilon=1e-6, inverse_root_method="newton_db", root_iterations=1,
+                     precondition_frequency=1, max_consecutive_root_failures=None)
     param.grad = torch.randn(24, 24, generator=generator)
     optimizer.step()
     assert optimizer.root_failure_count == 1
@@ -188,7 +188,7 @@ def test_a_newton_root_that_did_not_converge_counts_as_failed():
 def test_converged_newton_roots_are_accepted_with_their_residual():
     generator = torch.Generator().manual_seed(0)
     param = nn.Parameter(torch.zeros(24, 24))
-    optimizer = DASH([param], lr=0.01, precondition_frequency=1)
+    optimizer = DASH([param], lr=0.01, inverse_root_method="newton_db", precondition_frequency=1)
     for _ in range(3):
         param.grad = torch.randn(24, 24, generator=generator)
         optimizer.step()
@@ -362,3 +362,34 @@ def test_a_non_finite_gradient_costs_one_step_where_adamw_loses_the_model(bad):
             clean.grad = grad.clone()
             reference.step()
     assert torch.equal(param, clean)
+
+
+def test_a_checkpoint_from_before_grafting_rms_resumes_exactly():
+    """State dicts written before 0.2 kept Adam's second moment itself and unscaled factors."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = nn.Parameter(torch.randn(6, 5, generator=generator)), nn.Parameter(torch.randn(5))
+    optimizer = DASH([weight, bias], block_size=4, precondition_frequency=1)
+    for _ in range(2):
+        weight.grad, bias.grad = torch.randn(6, 5, generator=generator), torch.randn(5, generator=generator)
+        optimizer.step()
+    saved = optimizer.state_dict()
+    legacy = {**saved, "state": {}}
+    for key, entry in saved["state"].items():
+        entry = dict(entry)
+        entry["grafting_second_moment"] = entry.pop("grafting_rms").square()
+        for name in [n for n in entry if n.startswith("factor_scale_")]:
+            tile = name.removeprefix("factor_scale_")
+            scale = entry.pop(name)
+            for side in ("left", "right"):
+                entry[f"{side}_factor_{tile}"] = (entry[f"{side}_factor_{tile}"].double() * scale).float()
+        legacy["state"][key] = entry
+    twins = [nn.Parameter(weight.detach().clone()), nn.Parameter(bias.detach().clone())]
+    resumed = DASH(twins, block_size=4, precondition_frequency=1)
+    resumed.load_state_dict(legacy)
+    grads = [torch.randn(6, 5, generator=generator), torch.randn(5, generator=generator)]
+    for params, opt in (([weight, bias], optimizer), (twins, resumed)):
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        opt.step()
+    for original, twin in zip((weight, bias), twins):
+        torch.testing.assert_close(twin, original, rtol=1e-5, atol=1e-6)

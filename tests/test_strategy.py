@@ -58,6 +58,12 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[start : start + GLOBAL_BATCH], y[start : start + GLOBAL_BATCH]
 
 
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, start: torch.Tensor) -> None:
+    """Two ranks sum gradients in another order than one process (a 1e-7 relative
+    difference); DASH must keep that at roundoff: within 1e-4 of the parameter's movement."""
+    assert (actual - expected).norm() <= 1e-4 * (expected - start).norm() + 1e-7
+
+
 def reference_trajectory(steps: int) -> list[list[torch.Tensor]]:
     """Single-process DASH on the global batches; parameters after every step."""
     model = network()
@@ -106,8 +112,8 @@ class ParityModule(pl.LightningModule):
         if self.reference is None:
             self.reference = torch.load(self.reference_path)
         step = self.trainer.global_step
-        for param, expected in zip(self.parameters(), self.reference[step - 1]):
-            torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6)
+        for param, expected, start in zip(self.parameters(), self.reference[step - 1], network().parameters()):
+            assert_matches_reference(param.detach(), expected, start.detach())
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** (step // 2))
         if self.trainer.world_size > 1:
             assert_identical_across_ranks(self, self.trainer.world_size)

@@ -44,7 +44,8 @@ from lightning_dash.optim.validation import (
 
 PerBlock = Union[float, Tensor]
 
-#: Relative damping of the factors (see ``epsilon``), chosen by measurement (README).
+#: Relative damping of the factors (see ``epsilon``), chosen by measurement
+#: (``benchmarks/damping.py``, README: Damping).
 DEFAULT_EPSILON = 1e-5
 
 
@@ -245,7 +246,11 @@ class DASH(torch.optim.Optimizer):
         precondition_frequency: recompute the roots every this many steps.
         start_preconditioning_step: first step that uses the Shampoo direction;
             earlier steps follow the grafting direction.
-        inverse_root_method: "eigh", "coupled_newton", "newton_db" or "chebyshev".
+        inverse_root_method: "eigh" (default), "coupled_newton", "newton_db" or
+            "chebyshev". ``eigh`` treats the roundoff-level near-null space of a
+            rank-deficient factor as exactly null, so roundoff in the gradients is not
+            amplified; the iterative solvers cannot, and amplify it more at small
+            ``epsilon`` (README: Damping).
         matrix_scaling: "frobenius" or "power_iteration" (Newton and Chebyshev solvers).
         matmul_dtype: float32, bfloat16 or float16 for the solver matmuls.
         grafting: "adam", "adagrad", "rmsprop", "sgd" or "none" (raw Shampoo direction).
@@ -281,7 +286,7 @@ class DASH(torch.optim.Optimizer):
         block_size: int = 1024,
         precondition_frequency: int = 10,
         start_preconditioning_step: int = 1,
-        inverse_root_method: str = "newton_db",
+        inverse_root_method: str = "eigh",
         matrix_scaling: str = "power_iteration",
         matmul_dtype: torch.dtype | str = torch.float32,
         grafting: str = "adam",

@@ -84,8 +84,8 @@ class Candidate:
         return dict(epsilon=self.epsilon, relative_epsilon=self.relative, inverse_root_method=self.solver)
 
 
-CANDIDATES = ("defaults", "eigh:absolute:1e-12", "eigh:relative:1e-8", "eigh:relative:1e-6",
-              "newton_db:relative:1e-4")
+CANDIDATES = ("defaults", "eigh:relative:1e-5", "eigh:relative:1e-7", "eigh:relative:1e-8",
+              "newton_db:relative:1e-5")
 
 
 def sensitivity(candidate: Candidate, frequency: int, seeds: range, steps: int = 10) -> float:

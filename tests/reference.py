@@ -41,7 +41,7 @@ class ReferenceDash:
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
-    epsilon: float = 1e-5
+    epsilon: float = 1e-6
     relative_epsilon: bool = True
     weight_decay: float = 0.0
     block_size: int = 1024

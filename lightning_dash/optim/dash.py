@@ -46,7 +46,7 @@ PerBlock = Union[float, Tensor]
 
 #: Relative damping of the factors (see ``epsilon``), chosen by measurement
 #: (``benchmarks/damping.py``, README: Damping).
-DEFAULT_EPSILON = 1e-5
+DEFAULT_EPSILON = 1e-6
 
 
 class RootComputationError(RuntimeError):

@@ -92,12 +92,18 @@ def test_every_solver_matches_the_float64_formula_at_every_gradient_scale(solver
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_the_direction_does_not_depend_on_the_loss_scale(solver):
     """An MLP trained on ``1e12 * loss`` follows the same path as on ``loss``: Adam grafting
-    and relative damping are scale-invariant (up to the grafting epsilon, negligible here)."""
+    and relative damping are scale-invariant (up to the grafting epsilon, negligible here).
+    The two runs differ by roundoff, which the iterative solvers amplify at small damping
+    (README: Damping), so they run at the damping recommended for them, 1e-4."""
+    options = {**SOLVER_OPTIONS[solver]}
+    if solver in ("newton_db", "coupled_newton"):
+        options["epsilon"] = 1e-4
+
     def train(loss_scale: float) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
         optimizer = DASH(model.parameters(), lr=1e-2, block_size=8, precondition_frequency=2,
-                         inverse_root_method=solver, **SOLVER_OPTIONS[solver])
+                         inverse_root_method=solver, **options)
         data = torch.Generator().manual_seed(1)
         for _ in range(6):
             x = torch.randn(32, 8, generator=data)

@@ -59,7 +59,9 @@ def cases(draw):
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI must not depend on which examples a run happens to draw (400 random
+# examples passed when this was written; raise max_examples locally to explore further).
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_random_cases_stay_finite_match_float64_and_count_every_fault(case):
     generator = torch.Generator().manual_seed(case["seed"])

@@ -101,20 +101,37 @@ def make_trainer(kind: str, max_duration: str, save_folder: Optional[Path] = Non
     )
 
 
+def _without_key_third(name: str, value: torch.Tensor) -> torch.Tensor:
+    """The key third of an attention in-projection bias has an exactly zero gradient in
+    exact arithmetic (softmax ignores a constant added to every score of a query), so its
+    gradient is rounding noise that Adam-style grafting normalises into full steps: only
+    its query and value thirds are compared."""
+    if not name.endswith("in_proj_bias"):
+        return value
+    third = value.numel() // 3
+    return torch.cat([value[:third], value[2 * third :]])
+
+
 def assert_matches_reference(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
                              rtol: float, atol: float) -> None:
-    """Compare parameters by name. The key third of an attention in-projection bias has
-    an exactly zero gradient in exact arithmetic (softmax ignores a constant added to
-    every score of a query), so its gradient is rounding noise that Adam-style grafting
-    normalises into full steps: only its query and value thirds are compared."""
+    """Compare parameters by name, elementwise (runs whose arithmetic is the same up to
+    the order of a few sums)."""
     assert ours.keys() == expected.keys()
     for name, value in ours.items():
-        reference = expected[name]
-        if name.endswith("in_proj_bias"):
-            third = value.numel() // 3
-            value = torch.cat([value[:third], value[2 * third :]])
-            reference = torch.cat([reference[:third], reference[2 * third :]])
-        torch.testing.assert_close(value, reference, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(_without_key_third(name, value), _without_key_third(name, expected[name]),
+                                   rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_tracks_reference(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], kind: str) -> None:
+    """Two ranks sum gradients in another order than one process (a 1e-7 relative
+    difference); DASH keeps that at roundoff: every parameter within 1e-4 of its movement
+    from the initial model."""
+    start = named_parameters(build_model(kind))
+    assert ours.keys() == expected.keys()
+    for name, value in ours.items():
+        value, reference = _without_key_third(name, value), _without_key_third(name, expected[name])
+        moved = (reference - _without_key_third(name, start[name])).norm()
+        assert (value - reference).norm() <= 1e-4 * moved + 1e-7, name
 
 
 def named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

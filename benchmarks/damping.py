@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         records.append(record)
     print(f"\n{len(candidates) * len(args.seeds)} runs in {time.perf_counter() - start:.0f} s\n")
-    print(f"| damping | val loss (mean; per seed) | roundoff sensitivity f=1 / f=10 | root failures |")
+    print("| damping | val loss (mean; per seed) | roundoff sensitivity f=1 / f=10 | root failures |")
     print("|---|---|---|---|")
     for record in records:
         per_seed = ", ".join(f"{v:.4f}" for v in record["val_loss"])

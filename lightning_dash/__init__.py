@@ -4,10 +4,10 @@ Importing the package registers ``strategy="dash"`` (and ``"dash_spawn"``,
 ``"dash_fork"``) with Lightning.
 """
 
-from lightning_dash.optim import DASH, DeMo, RootComputationError
+from lightning_dash.optim import DASH, DashConfig, DeMo, RootComputationError
 from lightning_dash.strategies import DashStrategy, register_strategies
 
 register_strategies()
 
-__all__ = ["DASH", "DashStrategy", "DeMo", "RootComputationError"]
+__all__ = ["DASH", "DashConfig", "DashStrategy", "DeMo", "RootComputationError"]
 __version__ = "0.1.0"

@@ -67,11 +67,11 @@ def check_betas(name: str, betas: Any) -> tuple[float, float]:
     return first, second
 
 
-def check_matmul_dtype(value: Any) -> torch.dtype:
+def check_matmul_dtype(value: Any, name: str = "matmul_dtype") -> torch.dtype:
     """Accept a torch dtype or its common name; only float32, bfloat16, float16."""
     dtype = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
     if dtype not in MATMUL_DTYPES:
-        raise ValueError(f"matmul_dtype must be one of float32, bfloat16, float16, got {value!r}")
+        raise ValueError(f"{name} must be one of float32, bfloat16, float16, got {value!r}")
     return dtype
 
 
@@ -177,3 +177,27 @@ def check_max_staleness(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"max_staleness must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_params(params: Iterable[Any]) -> None:
+    """DASH updates real floating-point dense tensors only."""
+    for param in params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"params must contain tensors, got {type(param).__name__}")
+        if param.is_complex():
+            raise TypeError("params: complex parameters are not supported by DASH")
+        if not param.is_floating_point():
+            raise TypeError(f"params: DASH needs floating-point parameters, got {param.dtype}")
+        if param.is_sparse:
+            raise ValueError("params: sparse parameters are not supported by DASH")

@@ -1,0 +1,244 @@
+"""Every DASH option, written once: its default, its meaning and its check.
+
+:class:`DashConfig` is the single list of options. The optimizer, the Lightning
+strategy and the Composer algorithm all take their options from it (by keyword or
+as ``config=``), the per-group checks of :mod:`lightning_dash.optim.validation` use
+its checks, and the documentation's option table is generated from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from lightning_dash.optim.grafting import GRAFTING_TYPES
+from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
+from lightning_dash.optim.validation import (
+    check_betas,
+    check_bool,
+    check_choice,
+    check_int,
+    check_matmul_dtype,
+    check_number,
+    check_params,
+    dtype_name,
+)
+
+MATRIX_SCALINGS = ("frobenius", "power_iteration")
+
+#: Relative damping of the factors (see ``epsilon``), chosen by measurement
+#: (``benchmarks/damping.py``, README: Damping).
+DEFAULT_EPSILON = 1e-6
+
+
+def _option(default: Any, doc: str, check: Callable[[str, Any], Any], per_group: bool = False) -> Any:
+    return field(default=default, metadata={"doc": doc, "check": check, "per_group": per_group})
+
+
+def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _positive(name: str, value: Any) -> float:
+    return check_number(name, value, low=0.0, low_open=True)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    return check_number(name, value, low=0.0)
+
+
+def _unit_open(name: str, value: Any) -> float:
+    return check_number(name, value, low=0.0, high=1.0, high_open=True)
+
+
+def _unit(name: str, value: Any) -> float:
+    return check_number(name, value, low=0.0, high=1.0)
+
+
+def _at_least(low: int) -> Callable[[str, Any], int]:
+    return lambda name, value: check_int(name, value, low=low)
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    return lambda name, value: check_choice(name, value, choices)
+
+
+def _matmul_dtype(name: str, value: Any) -> str:
+    return dtype_name(check_matmul_dtype(value, name))
+
+
+def _staleness(name: str, value: Any) -> int:
+    # ValueError for every bad value (including a bool or float), as the option's spec asks.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DashConfig:
+    """The options of :class:`~lightning_dash.optim.DASH`, checked when built.
+
+    Per-group options (``lr``, ``betas``, ``epsilon``, ``weight_decay``,
+    ``grafting_beta2``, ``grafting_epsilon``, ``precondition_frequency``,
+    ``start_preconditioning_step``, ``shampoo_blend``) are the defaults of every
+    parameter group and may differ between groups; the others are optimizer-wide.
+    A bad value raises ``ValueError`` (``TypeError`` for a wrong type) naming the
+    option and what it accepts.
+    """
+
+    lr: float = _option(1e-3, "learning rate", _non_negative, per_group=True)
+    betas: tuple[float, float] = _option(
+        (0.9, 0.95),
+        "(momentum of the gradient, decay of the Kronecker factors); a momentum of 0 disables it, "
+        "a decay of 1.0 accumulates AdaGrad-style sums",
+        check_betas, per_group=True,
+    )
+    epsilon: float = _option(
+        DEFAULT_EPSILON,
+        "damping added to the bias-corrected factors before the roots: epsilon * ||L||_F * I "
+        "(relative to the factor's Frobenius norm), or epsilon * I with relative_epsilon=False",
+        _positive, per_group=True,
+    )
+    relative_epsilon: bool = _option(
+        True, "whether epsilon is relative to each factor's norm (scale-invariant) or absolute", check_bool
+    )
+    weight_decay: float = _option(0.0, "decoupled weight decay, W <- W (1 - lr wd)", _non_negative, per_group=True)
+    block_size: int = _option(1024, "largest tile side; remainders form smaller tiles", _at_least(1))
+    precondition_frequency: int = _option(
+        10, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
+    )
+    start_preconditioning_step: int = _option(
+        1, "first step that uses the Shampoo direction (earlier steps follow the grafting direction)",
+        _at_least(1), per_group=True,
+    )
+    inverse_root_method: str = _option(
+        "eigh",
+        "solver of the inverse fourth roots: eigh treats the roundoff-level null space of a rank-deficient "
+        "factor as null; the iterative solvers (coupled_newton, newton_db, chebyshev) need a larger epsilon",
+        _one_of(INVERSE_ROOT_METHODS),
+    )
+    matrix_scaling: str = _option(
+        "power_iteration", "spectrum bound of the Newton and Chebyshev solvers", _one_of(MATRIX_SCALINGS)
+    )
+    matmul_dtype: str = _option(
+        "float32", "dtype of the solver matmuls: float32, bfloat16 or float16 (a torch.dtype also works)",
+        _matmul_dtype,
+    )
+    grafting: str = _option(
+        "adam", "optimizer whose per-block update norm the Shampoo direction takes (none: raw Shampoo)",
+        _one_of(GRAFTING_TYPES),
+    )
+    grafting_beta2: float = _option(
+        0.95, "second-moment decay of Adam/RMSprop grafting", _unit_open, per_group=True
+    )
+    grafting_epsilon: float = _option(1e-8, "epsilon of the grafting optimizer", _positive, per_group=True)
+    shampoo_blend: float = _option(
+        1.0, "weight of the Shampoo direction against the grafting direction (PreconditionerSchedule ramps it)",
+        _unit, per_group=True,
+    )
+    nesterov: bool = _option(False, "use a Nesterov-style momentum in the direction", check_bool)
+    bias_correction: bool = _option(
+        True, "correct momentum, factors and Adam's second moment for their zero initialisation", check_bool
+    )
+    root_iterations: Optional[int] = _option(
+        None,
+        "iterations per pass of the Newton solvers; None: as many as the damping needs, planned on the host",
+        _optional(_at_least(1)),
+    )
+    chebyshev_degree: int = _option(40, "degree of the Chebyshev interpolant", _at_least(2))
+    max_consecutive_root_failures: Optional[int] = _option(
+        3, "raise RootComputationError once a block's root failed this many times in a row (None: never)",
+        _optional(_at_least(1)),
+    )
+    async_preconditioning: bool = _option(
+        False,
+        "on CUDA, compute due roots on a side stream and use them from a later step (off CUDA: synchronous)",
+        _flag,
+    )
+    max_staleness: int = _option(
+        1, "latest step, counted from the computation's, at which asynchronous roots must be used", _staleness
+    )
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            object.__setattr__(self, spec.name, spec.metadata["check"](spec.name, getattr(self, spec.name)))
+
+    @classmethod
+    def build(cls, config: Optional["DashConfig"] = None, **options: Any) -> "DashConfig":
+        """``config`` (default: the defaults) with ``options`` replacing its values.
+
+        Unknown option names raise ``TypeError`` listing the known ones.
+        """
+        check_option_names(options)
+        return dataclasses.replace(config or cls(), **options)
+
+    def group_defaults(self) -> dict[str, Any]:
+        """The per-group options, as the defaults of a torch optimizer's ``param_groups``."""
+        return {name: getattr(self, name) for name in GROUP_OPTIONS}
+
+    def changed(self) -> dict[str, Any]:
+        """The options whose value differs from the default."""
+        default = DashConfig()
+        return {
+            name: getattr(self, name) for name in OPTION_NAMES if getattr(self, name) != getattr(default, name)
+        }
+
+    @property
+    def root_settings(self) -> RootSettings:
+        """How the inverse roots are computed."""
+        return RootSettings(
+            method=self.inverse_root_method,
+            scaling=self.matrix_scaling,
+            matmul_dtype=check_matmul_dtype(self.matmul_dtype),
+            iterations=self.root_iterations,
+            chebyshev_degree=self.chebyshev_degree,
+            relative_epsilon=self.relative_epsilon,
+        )
+
+
+#: Every option's name, in declaration order.
+OPTION_NAMES: tuple[str, ...] = tuple(spec.name for spec in dataclasses.fields(DashConfig))
+
+#: Options kept per parameter group (everything else is optimizer-wide).
+GROUP_OPTIONS: tuple[str, ...] = tuple(
+    spec.name for spec in dataclasses.fields(DashConfig) if spec.metadata["per_group"]
+)
+
+_CHECKS = {spec.name: spec.metadata["check"] for spec in dataclasses.fields(DashConfig)}
+
+
+def check_option_names(options: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` naming every key of ``options`` that is not a DASH option."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown DASH option(s) {unknown}; known: {sorted(OPTION_NAMES)}")
+
+
+def check_option(name: str, value: Any) -> Any:
+    """Check one option's value (as :class:`DashConfig` would) and return it normalised."""
+    check_option_names({name: value})
+    return _CHECKS[name](name, value)
+
+
+def option_docs() -> list[tuple[str, str, Any, str]]:
+    """``(name, scope, default, meaning)`` of every option, for generated documentation."""
+    return [
+        (spec.name, "per group" if spec.metadata["per_group"] else "optimizer", spec.default, spec.metadata["doc"])
+        for spec in dataclasses.fields(DashConfig)
+    ]
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """Check a DASH parameter group: its per-group options and its parameters."""
+    for name in GROUP_OPTIONS:
+        _CHECKS[name](name, group[name])
+    check_params(group["params"])

@@ -22,9 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_dash.optim.dash as dash_module
 from lightning_dash import DASH, DashStrategy
-from lightning_dash.optim.roots import RootResult
+from lightning_dash.optim.roots import RootResult, inverse_root
 from reference import ReferenceDash
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,13 +63,13 @@ OPTIONS = dict(lr=0.02, block_size=8, epsilon=1e-4, weight_decay=0.01, inverse_r
 
 def dash(model, emulate=False, **options):
     opt = DASH(model.parameters(), **{**OPTIONS, **options})
-    opt._pipeline.emulate = emulate
+    opt.roots.pipeline.emulate = emulate
     return opt
 
 
-def root_valid(opt) -> list[bool]:
-    """Per-block root_valid of every stack, read without settling anything."""
-    return [bool(v) for stack in opt._layout.stacks for v in stack.state.root_valid.cpu()]
+def preconditioned(opt) -> tuple[int, int]:
+    """(blocks whose roots are in use, blocks), read without settling anything."""
+    return opt.preconditioned_blocks, opt.owned_blocks
 
 
 # --------------------------------------------------------------------------- options
@@ -105,7 +104,7 @@ def test_option_on_cpu_is_bit_identical_to_synchronous(frequency, staleness):
     train(on, on_opt, 7, skip_bias_at=2)
     for a, b in zip(plain.parameters(), on.parameters()):
         assert torch.equal(a, b)
-    assert not on_opt._pipeline.pending and on_opt._pipeline.clock == 0
+    assert not on_opt.roots.pipeline.pending and on_opt.roots.pipeline.clock == 0
     assert (on_opt.async_roots_hidden, on_opt.async_roots_waited, on_opt.async_wait_ms) == (0, 0, 0.0)
     saved_plain, saved_on = plain_opt.state_dict(), on_opt.state_dict()
     for key, entry in saved_plain["state"].items():
@@ -126,8 +125,8 @@ def run_against_reference(staleness, frequency, steps=7, emulate=True, device="c
     params = [nn.Parameter(x.float().to(device)) for x in initial]
     opt = DASH(params, block_size=4, inverse_root_method="eigh", async_preconditioning=True,
                max_staleness=staleness, **options)
-    opt._pipeline.emulate = emulate
-    opt._pipeline.swap_when_ready = False
+    opt.roots.pipeline.emulate = emulate
+    opt.roots.pipeline.swap_when_ready = False
     delayed = ReferenceDash(block_size=4, root_delay=staleness, **options)
     immediate = ReferenceDash(block_size=4, **options)
     expected = [x.clone() for x in initial]
@@ -150,10 +149,10 @@ def test_emulated_staleness_matches_the_delayed_float64_reference(staleness, fre
     assert max((p - u).abs().max().item() for p, u in zip(params, undelayed)) > 1e-3
 
 
-def test_bookkeeping_swaps_at_the_deadline_and_counts_failures_there(monkeypatch):
+def test_bookkeeping_swaps_at_the_deadline_and_counts_failures_there():
     """Frequency 3, staleness 2: roots launched at step 1 are used from step 3 on; a failed
     root is counted at step 3 (the deadline, the same step on every rank), not at step 1."""
-    real = dash_module.inverse_root
+    real = inverse_root
     calls = {"count": 0}
 
     def first_call_fails(statistics, eps, root, settings, scale=None, min_eps=None):
@@ -165,19 +164,19 @@ def test_bookkeeping_swaps_at_the_deadline_and_counts_failures_there(monkeypatch
             return RootResult(broken, result.residual)
         return result
 
-    monkeypatch.setattr(dash_module, "inverse_root", first_call_fails)
     model = make_model()
     opt = dash(model, emulate=True, precondition_frequency=3, async_preconditioning=True, max_staleness=2)
+    opt.roots.solver = first_call_fails
     train(model, opt, 1)
     solver_calls = calls["count"]  # one per factor size, all at the launch
-    pipeline = opt._pipeline
+    pipeline = opt.roots.pipeline
     assert pipeline.pending and pipeline.pending_deadline == 3
-    assert not any(root_valid(opt)) and opt.last_root_residual is None
+    assert preconditioned(opt)[0] == 0 and opt.last_root_residual is None
     train(model, opt, 1, start=1)
-    assert pipeline.pending and not any(root_valid(opt)) and opt.root_failure_count == 0
+    assert pipeline.pending and preconditioned(opt)[0] == 0 and opt.root_failure_count == 0
     train(model, opt, 1, start=2)  # the deadline: swapped in at the start of the step, then closed
     assert not pipeline.pending
-    assert sum(root_valid(opt)) == len(root_valid(opt)) - 1  # the failed block keeps no root
+    assert opt.preconditioned_blocks == opt.owned_blocks - 1  # the failed block keeps no root
     assert opt.root_failure_count == 1 and opt.last_root_residual is not None
     assert (opt.async_roots_hidden, opt.async_roots_waited) == (1, 0)
     train(model, opt, 1, start=3)  # step 4: the next launch
@@ -190,9 +189,9 @@ def test_new_roots_due_swap_the_pending_launch_first():
     model = make_model()
     opt = dash(model, emulate=True, precondition_frequency=1, async_preconditioning=True, max_staleness=3)
     train(model, opt, 1)
-    assert opt._pipeline.pending_deadline == 4 and not any(root_valid(opt))
+    assert opt.roots.pipeline.pending_deadline == 4 and preconditioned(opt)[0] == 0
     train(model, opt, 1, start=1)
-    assert all(root_valid(opt)) and opt._pipeline.pending_deadline == 5
+    assert opt.preconditioned_blocks == opt.owned_blocks and opt.roots.pipeline.pending_deadline == 5
 
 
 # --------------------------------------------------------------------------- stream protocol
@@ -260,29 +259,29 @@ class FakeCudaOps:
         self.log.append(("record_stream", stream.name, id(tensor)))
 
 
-def test_stream_protocol_with_fake_cuda(monkeypatch):
+def test_stream_protocol_with_fake_cuda():
     """The side-stream code path, run on a CPU with logged streams and events: the solver
     runs on the side stream after it waited for the main stream; snapshots and outputs are
     marked for the stream that reads them; nothing is installed before the main stream
     waited on the launch's event; a launch that is not ready leaves the previous roots."""
     ops = FakeCudaOps()
-    real = dash_module.inverse_root
+    real = inverse_root
 
     def solver(statistics, eps, root, settings, scale=None, min_eps=None):
         ops.log.append(("solve", ops.current.name))
         return real(statistics, eps, root, settings, scale, min_eps)
 
-    monkeypatch.setattr(dash_module, "inverse_root", solver)
     model = make_model()
     opt = dash(model, precondition_frequency=4, async_preconditioning=True, max_staleness=3)
-    opt._pipeline.ops = ops
-    install = opt._install_roots
+    opt.roots.solver = solver
+    opt.roots.pipeline.ops = ops
+    install = opt.roots.install
 
     def logged_install(job, solved):
         ops.log.append(("install", ops.current.name))
         return install(job, solved)
 
-    opt._install_roots = logged_install
+    opt.roots.install = logged_install
 
     train(model, opt, 1)  # step 1: launch
     launch_log = list(ops.log)
@@ -296,7 +295,7 @@ def test_stream_protocol_with_fake_cuda(monkeypatch):
 
     train(model, opt, 1, start=1)  # step 2: the event is not ready; nothing is used
     assert not any(entry[0] in ("install", "wait_event") for entry in ops.log)
-    assert not any(root_valid(opt))
+    assert preconditioned(opt)[0] == 0
 
     ops.events[0].ready = True
     ops.log.clear()
@@ -305,7 +304,7 @@ def test_stream_protocol_with_fake_cuda(monkeypatch):
     assert ops.log[0] == ("wait_event", "main", 0)
     outputs = [entry for entry in ops.log[:install_at] if entry[0] == "record_stream"]
     assert len(outputs) == len(solves) * 2 and all(entry[1] == "main" for entry in outputs)  # roots, residuals
-    assert all(root_valid(opt)) and (opt.async_roots_hidden, opt.async_roots_waited) == (1, 0)
+    assert opt.preconditioned_blocks == opt.owned_blocks and (opt.async_roots_hidden, opt.async_roots_waited) == (1, 0)
 
     # The same schedule as the emulation that swaps at step 3 (staleness 2).
     emulated = make_model()
@@ -353,23 +352,23 @@ def test_load_discards_and_add_param_group_settles_pending_work():
     opt = dash(model, emulate=True, precondition_frequency=4, async_preconditioning=True, max_staleness=3)
     snapshot = opt.state_dict()  # empty state
     train(model, opt, 1)
-    assert opt._pipeline.pending
+    assert opt.roots.pipeline.pending
     opt.load_state_dict(snapshot)
-    assert not opt._pipeline.pending
+    assert not opt.roots.pipeline.pending
 
     train(model, opt, 1, start=1)
-    assert opt._pipeline.pending
+    assert opt.roots.pipeline.pending
     extra = nn.Parameter(torch.randn(4, 4))
     before = extra.detach().clone()
     opt.add_param_group({"params": [extra]})  # rebuilds the stacks: pending roots go in first
-    assert not opt._pipeline.pending
+    assert not opt.roots.pipeline.pending
     assert all(opt.state_dict()["state"][0]["root_valid"].flatten())
     x, y = batch(2)
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     extra.grad = torch.randn(4, 4)
     opt.step()
-    assert opt._pipeline.pending  # the new parameter's first roots
+    assert opt.roots.pipeline.pending  # the new parameter's first roots
     assert torch.isfinite(extra).all() and not torch.equal(extra, before)
 
 
@@ -438,7 +437,7 @@ def test_two_processes_emulated_staleness_keeps_ranks_in_step(tmp_path):
     model = network()
     optimizer, _ = adamw_with_schedule(model.parameters())
     single = DASH.from_optimizer(optimizer, **DASH_OPTIONS, async_preconditioning=True, max_staleness=2)
-    single._pipeline.emulate = True
+    single.roots.pipeline.emulate = True
     for step in range(3):
         x, y = global_batch(step)
         single.zero_grad()
@@ -477,7 +476,7 @@ class FinalParameters(pl.LightningModule):
         return torch.utils.data.DataLoader(range(4))
 
     def on_train_start(self):
-        self.trainer.optimizers[0]._pipeline.emulate = self.emulate
+        self.trainer.optimizers[0].roots.pipeline.emulate = self.emulate
 
     def on_train_batch_end(self, outputs, data, batch_idx):
         from test_strategy import assert_identical_across_ranks
@@ -539,7 +538,7 @@ def test_cuda_side_stream_equals_the_emulation_with_the_same_staleness(staleness
     emulated, _ = cuda_run(emulate=True, **options)
     model = make_model(device="cuda")
     opt = dash(model, async_preconditioning=True, **options)
-    opt._pipeline.swap_when_ready = False
+    opt.roots.pipeline.swap_when_ready = False
     train(model, opt, 6, skip_bias_at=2, device="cuda")
     assert_same_parameters(model, emulated)
     assert opt.async_roots_hidden + opt.async_roots_waited > 0
@@ -564,7 +563,7 @@ def test_cuda_roots_are_not_used_before_their_event():
     emulated, _ = cuda_run(steps=5, emulate=True, **options)
     model = make_model(device="cuda")
     opt = dash(model, async_preconditioning=True, **options)
-    opt._pipeline.before_solve = lambda: torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles
+    opt.roots.pipeline.before_solve = lambda: torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles
     train(model, opt, 5, skip_bias_at=2, device="cuda")
     torch.cuda.synchronize()
     assert_same_parameters(model, emulated)
@@ -592,14 +591,14 @@ def test_cuda_checkpoint_with_pending_work_resumes_exactly():
     options = dict(precondition_frequency=4, max_staleness=3)
     saving = make_model(device="cuda")
     saving_opt = dash(saving, async_preconditioning=True, **options)
-    saving_opt._pipeline.swap_when_ready = False
+    saving_opt.roots.pipeline.swap_when_ready = False
     saved = train(saving, saving_opt, 8, skip_bias_at=4, save_at=2, device="cuda")
     resumed = make_model(device="cuda")
     warm = dash(resumed, async_preconditioning=True, **options)
-    warm._pipeline.swap_when_ready = False
+    warm.roots.pipeline.swap_when_ready = False
     train(resumed, warm, 2, device="cuda")
     resumed_opt = dash(resumed, async_preconditioning=True, **options)
-    resumed_opt._pipeline.swap_when_ready = False
+    resumed_opt.roots.pipeline.swap_when_ready = False
     resumed_opt.load_state_dict(saved)
     train(resumed, resumed_opt, 6, start=2, skip_bias_at=4, device="cuda")
     assert_same_parameters(saving, resumed, exact=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dash.optim.blocks import matrix_shape, param_regions, plan_stacks
+from lightning_dash.optim.blocks import matrix_shape, param_regions, stack_regions
 
 
 @pytest.mark.parametrize("shape", [(1030, 17), (7, 5), (16, 27), (768, 256), (2048, 2048), (1, 9), (13, 1)])
@@ -32,6 +32,12 @@ def test_conv_kernels_are_viewed_as_out_by_in_times_kernel():
     assert matrix_shape(torch.Size([16, 3, 3, 3])) == (16, 27)
 
 
+def plan_stacks(shapes, block_size):
+    """Stacks of the tiles of every matrix (index -> shape), by block shape."""
+    regions = [region for index in sorted(shapes) for region in param_regions(index, shapes[index], block_size)]
+    return {plan.block_shape: plan for plan in stack_regions(regions)}
+
+
 def test_stacks_gather_tiles_of_all_parameters_in_order():
     generator = torch.Generator().manual_seed(0)
     matrices = {0: torch.randn(8, 12, generator=generator), 1: torch.randn(4, 4, generator=generator),
@@ -50,3 +56,17 @@ def test_subset_keeps_positions_of_the_chosen_parameters():
     subset, positions = stacks[(4, 4)].subset({1, 2})
     assert positions == [4, 5, 6]
     assert [r.param_index for r in subset.regions] == [1, 2] and subset.num_blocks == 3
+
+
+def test_add_to_adds_each_tile_to_its_parameter_also_when_not_contiguous():
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.randn(8, 12, generator=generator), torch.randn(12, 8, generator=generator).t()]
+    assert not params[1].is_contiguous()
+    plan = plan_stacks({0: (8, 12), 1: (8, 12)}, block_size=4)[(4, 4)]
+    update = torch.randn(plan.num_blocks, 4, 4, generator=generator)
+    expected = [p.clone() for p in params]
+    for region in plan.regions:
+        region.window(expected[region.param_index]).add_(region.tiles(update))
+    plan.add_to(params, update)
+    for param, wanted in zip(params, expected):
+        torch.testing.assert_close(param, wanted)

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-import lightning_dash.optim.dash as dash_module
 from lightning_dash import DASH, RootComputationError
-from lightning_dash.optim.roots import RootResult
+from lightning_dash.optim.roots import RootResult, inverse_root
 
 
 def params(*shapes):
@@ -109,7 +108,7 @@ def test_zero_gradients_produce_no_nan(method):
 
 def failing_solver(fail_on_call: set[int]):
     """Wrap the real solver so that chosen calls return NaN for their first block."""
-    real = dash_module.inverse_root
+    real = inverse_root
     calls = {"count": 0}
 
     def solver(statistics, eps, root, settings, scale=None, min_eps=None):
@@ -124,14 +123,14 @@ def failing_solver(fail_on_call: set[int]):
     return solver
 
 
-def test_failed_root_keeps_previous_root_and_counts(monkeypatch):
+def test_failed_root_keeps_previous_root_and_counts():
     # One 8x8 parameter at block 8: one block, its L and R in one solver call per step.
     (weight,) = params((8, 8))
     opt = DASH([weight], lr=0.01, block_size=8, precondition_frequency=1)
     weight.grad = torch.randn(8, 8)
     opt.step()
     root_before = opt.state_dict()["state"][0]["left_root_0_0"]
-    monkeypatch.setattr(dash_module, "inverse_root", failing_solver({1}))
+    opt.roots.solver = failing_solver({1})
     weight.grad = torch.randn(8, 8)
     opt.step()
     state = opt.state_dict()["state"][0]
@@ -144,12 +143,12 @@ def test_failed_root_keeps_previous_root_and_counts(monkeypatch):
     assert opt.state_dict()["state"][0]["root_failures"][0, 0] == 0
 
 
-def test_failure_without_previous_root_falls_back_to_grafting(monkeypatch):
+def test_failure_without_previous_root_falls_back_to_grafting():
     (weight,) = params((8, 8))
     reference_weight = torch.nn.Parameter(weight.detach().clone())
     grad = torch.randn(8, 8)
-    monkeypatch.setattr(dash_module, "inverse_root", failing_solver({1}))
     opt = DASH([weight], lr=0.01, block_size=8)
+    opt.roots.solver = failing_solver({1})
     weight.grad = grad
     opt.step()
     # The expected step is Adam's: on step one, m_hat = g and v_hat = g^2.
@@ -157,11 +156,11 @@ def test_failure_without_previous_root_falls_back_to_grafting(monkeypatch):
     torch.testing.assert_close(weight.detach(), expected)
 
 
-def test_consecutive_failures_raise_naming_the_parameter(monkeypatch):
+def test_consecutive_failures_raise_naming_the_parameter():
     model = torch.nn.Linear(8, 8)
     opt = DASH(list(model.named_parameters()), block_size=8, precondition_frequency=1,
                max_consecutive_root_failures=2)
-    monkeypatch.setattr(dash_module, "inverse_root", failing_solver({1, 2}))
+    opt.roots.solver = failing_solver({1, 2})
     model.weight.grad, model.bias.grad = torch.randn(8, 8), torch.randn(8)
     opt.step()
     with pytest.raises(RootComputationError, match="weight"):

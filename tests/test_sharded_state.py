@@ -60,7 +60,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         optimizer.add_param_group({"params": [late]})
         optimizer.consolidate_state_dict()
         states["after_add"] = optimizer.state_dict() if rank == 0 else None
-        owned = sum(stack.plan.num_blocks for stack in optimizer._current_layout().stacks)
+        owned = optimizer.owned_blocks
 
         # Every rank loads the complete state (as Lightning and Composer do), then saves
         # again without a step in between.

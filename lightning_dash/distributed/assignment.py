@@ -53,6 +53,13 @@ def block_cost(rows: int, cols: int, precondition_frequency: int = 10, root_iter
     return float(step + root)
 
 
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the per-rank loads: the step time relative to a perfect split
+    (1.0 when nothing costs)."""
+    total = sum(loads)
+    return 1.0 if total == 0 else max(loads) / (total / len(loads))
+
+
 @dataclass(frozen=True)
 class OwnershipPlan:
     """The owner rank of each item (block or parameter) and the resulting load per rank."""
@@ -64,10 +71,7 @@ class OwnershipPlan:
     @property
     def max_over_mean(self) -> float:
         """Imbalance: the step time relative to a perfect split (1.0 when nothing costs)."""
-        total = sum(self.loads)
-        if total == 0:
-            return 1.0
-        return max(self.loads) / (total / self.world_size)
+        return imbalance(self.loads)
 
     def blocks_of(self, rank: int) -> list[int]:
         """Indices of the items owned by ``rank``, in input order."""
@@ -90,22 +94,26 @@ def _plan(owners: list[int], costs: Sequence[float], world_size: int) -> Ownersh
     return OwnershipPlan(tuple(owners), tuple(loads), world_size)
 
 
-def plan_ownership(costs: Sequence[float], world_size: int) -> OwnershipPlan:
-    """Assign each block to a rank by greedy LPT, deterministically.
-
-    Blocks are taken by cost descending (ties by input index) and each goes to the
-    currently least-loaded rank (ties by lowest rank). The makespan is within
-    ``4/3 - 1/(3 * world_size)`` of optimal.
-    """
+def lpt_assign(costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None) -> list[int]:
+    """Greedy longest-processing-time assignment, deterministically: items by cost
+    descending (ties by input index), each to the currently least-loaded rank (ties by
+    lowest rank), starting from ``loads`` (default: all zero). The makespan is within
+    ``4/3 - 1/(3 * world_size)`` of optimal."""
     _validate(costs, world_size)
     order = sorted(range(len(costs)), key=lambda index: (-costs[index], index))
-    heap = [(0.0, rank) for rank in range(world_size)]
+    heap = [(float(load), rank) for rank, load in enumerate(loads or [0.0] * world_size)]
+    heapq.heapify(heap)
     owners = [0] * len(costs)
     for index in order:
         load, rank = heapq.heappop(heap)
         owners[index] = rank
         heapq.heappush(heap, (load + costs[index], rank))
-    return _plan(owners, costs, world_size)
+    return owners
+
+
+def plan_ownership(costs: Sequence[float], world_size: int) -> OwnershipPlan:
+    """Assign each block to a rank by greedy LPT (:func:`lpt_assign`)."""
+    return _plan(lpt_assign(costs, world_size), costs, world_size)
 
 
 def block_shapes(param_shapes: Sequence[Sequence[int]], block_size: int) -> list[tuple[int, int]]:

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dash.distributed.assignment import block_cost, plan_ownership
+from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
+from lightning_dash.distributed.block_exchange import (
+    ExchangePlan,
+    GatheredUpdates,
+    merge_rank_states,
+    pack_updates,
+    plan_exchange,
+)
+from lightning_dash.optim.blocks import Region, StackPlan
+from lightning_dash.optim.distributor import BlockUpdate
 from lightning_dash.optim.validation import check_communication_dtype
 
 
@@ -37,52 +46,76 @@ class ProcessGroupDistributor:
         self.world_size = dist.get_world_size(process_group)
         self._owners: dict[Hashable, int] = {}
         self._costs: dict[Hashable, float] = {}
-        self.bytes_gathered = 0
+        self._exchange: Optional[ExchangePlan] = None
 
-    def assign_owners(
-        self, keys: Sequence[Hashable], shapes: Sequence[tuple[int, int]], frequencies: Sequence[int]
-    ) -> list[int]:
-        """Owner of each block; earlier assignments are kept, new blocks are placed by LPT
-        on top of the existing loads."""
+    def _loads(self) -> list[float]:
+        loads = [0.0] * self.world_size
+        for key, owner in self._owners.items():
+            loads[owner] += self._costs[key]
+        return loads
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the per-rank cost of the current ownership."""
+        return imbalance(self._loads())
+
+    def assign_owners(self, keys: list[Hashable], shapes: list[tuple[int, int]], frequencies: list[int]) -> list[int]:
+        """Owner of each block (not collective); blocks seen before keep their owner, new
+        ones are placed by LPT on top of the existing loads."""
         costs = [block_cost(rows, cols, frequency, self.root_iterations)
                  for (rows, cols), frequency in zip(shapes, frequencies)]
         new = [i for i, key in enumerate(keys) if key not in self._owners]
-        if len(new) == len(keys):
-            plan = plan_ownership(costs, self.world_size)
-            owners = list(plan.owners)
-        else:
-            loads = [0.0] * self.world_size
-            for key, owner in self._owners.items():
-                loads[owner] += self._costs[key]
-            owners = [self._owners.get(key, -1) for key in keys]
-            for index in sorted(new, key=lambda i: (-costs[i], i)):
-                rank = min(range(self.world_size), key=lambda r: (loads[r], r))
-                owners[index] = rank
-                loads[rank] += costs[index]
+        placed = lpt_assign([costs[i] for i in new], self.world_size, self._loads())
+        owners = [self._owners.get(key, -1) for key in keys]
+        for index, owner in zip(new, placed):
+            owners[index] = owner
         self._owners = dict(zip(keys, owners))
         self._costs = dict(zip(keys, costs))
         return owners
 
-    @property
-    def balance(self) -> float:
-        loads = [0.0] * self.world_size
-        for key, owner in self._owners.items():
-            loads[owner] += self._costs[key]
-        total = sum(loads)
-        return 1.0 if total == 0 else max(loads) / (total / self.world_size)
+    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+        tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
+        owners = self.assign_owners(
+            keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
+            shapes=[t.block_shape for t, _ in tiles],
+            frequencies=[frequency for _, frequency in tiles],
+        )
+        self._exchange = plan_exchange(regions, params, owners, self.world_size)
+        return self._exchange.plans[self.rank]
+
+    def share_updates(self, updates: list[BlockUpdate]) -> GatheredUpdates:
+        """All-gather every rank's flat update buffer (in ``communication_dtype``)."""
+        device = updates[0].update.device if updates else self._device()
+        local = pack_updates(self._exchange, self.rank, updates, device)
+        return GatheredUpdates(self._exchange, self.all_gather(local))
+
+    def reduce_failures(self, summary: Tensor) -> Tensor:
+        gathered = torch.stack(self.all_gather(summary.to(self._device())))
+        return torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
+
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Tensor]]]:
+        gathered = self.gather_to_first(state)
+        return None if gathered is None else merge_rank_states(gathered)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's equally sized ``tensor`` (sent in the communication dtype)."""
         send = tensor.to(self.communication_dtype)
         received = [torch.empty_like(send) for _ in range(self.world_size)]
         dist.all_gather(received, send, group=self.process_group)
-        self.bytes_gathered += send.numel() * send.element_size() * self.world_size
         return [part.to(tensor.dtype) for part in received]
 
     def gather_to_first(self, obj: Any) -> Optional[list[Any]]:
+        """Every rank's picklable ``obj`` on rank 0 (None elsewhere)."""
         gathered: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, gathered, dst=dist.get_global_rank(self.process_group, 0)
-                           if self.process_group is not None else 0, group=self.process_group)
+        destination = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        dist.gather_object(obj, gathered, dst=destination, group=self.process_group)
         return gathered
+
+    def _device(self) -> torch.device:
+        """Where this group's collectives run: the current CUDA device for NCCL, else the CPU."""
+        if dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 def shard_across_ranks(optimizer: Any, communication_dtype: torch.dtype = torch.float32) -> bool:

@@ -23,11 +23,6 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
-def matrix_view(tensor: Tensor) -> Tensor:
-    """View a tensor of two or more dimensions as its preconditioning matrix."""
-    return tensor.view(matrix_shape(tensor.shape))
-
-
 @dataclass(frozen=True)
 class Region:
     """A rectangle of equal-shaped tiles inside one parameter's matrix view."""
@@ -127,6 +122,19 @@ class StackPlan:
             region.tiles(out).copy_(region.window(matrices[region.param_index]))
         return out
 
+    def add_to(self, params: list[Tensor], update: Tensor) -> None:
+        """Add each region's tiles of the stacked ``update`` to its parameter (``params``
+        indexed by the regions' ``param_index``)."""
+        for region in self.regions:
+            param = params[region.param_index]
+            shape = matrix_shape(param.shape)
+            if param.is_contiguous():
+                region.window(param.view(shape)).add_(region.tiles(update))
+            else:
+                dense = torch.zeros(shape, dtype=update.dtype, device=update.device)
+                region.window(dense).copy_(region.tiles(update))
+                param.add_(dense.view(param.shape))
+
 
 def stack_regions(regions: list[Region]) -> list[StackPlan]:
     """Group regions by block shape, stacks in order of first appearance."""
@@ -134,12 +142,3 @@ def stack_regions(regions: list[Region]) -> list[StackPlan]:
     for region in regions:
         stacks.setdefault(region.block_shape, StackPlan(region.block_shape)).append(region)
     return list(stacks.values())
-
-
-def plan_stacks(shapes: dict[int, tuple[int, int]], block_size: int) -> dict[tuple[int, int], StackPlan]:
-    """Group the tiles of every parameter (param index -> matrix shape) by block shape.
-
-    The order is deterministic: parameters in index order, regions in row-major order.
-    """
-    regions = [region for index in sorted(shapes) for region in param_regions(index, shapes[index], block_size)]
-    return {plan.block_shape: plan for plan in stack_regions(regions)}

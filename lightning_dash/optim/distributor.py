@@ -1,17 +1,48 @@
-"""What DASH needs from a data-parallel runtime, as a protocol.
+"""What DASH needs from a data-parallel runtime, as a protocol, and the single-process case.
 
-The optimizer never imports ``torch.distributed``: a trainer integration hands it
-an object with this interface (``lightning_dash.distributed`` provides one over a
-process group). All methods are collective unless stated otherwise, and every
-rank calls them in the same order with the same metadata.
+The optimizer never imports ``torch.distributed``: a trainer integration hands it an
+object with the :class:`BlockDistributor` interface (``lightning_dash.distributed``
+provides one over a process group). Without one, :class:`LocalDistributor` owns every
+block. Methods are collective unless stated otherwise: every rank calls them in the
+same order with the same metadata.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from torch import Tensor
+
+from lightning_dash.optim.blocks import Region, StackPlan
+from lightning_dash.optim.layout import stacks_by_placement
+
+
+@dataclass
+class BlockUpdate:
+    """The update of the moving blocks of one of this rank's stacks.
+
+    ``stack`` is the stack's position in the plans :meth:`BlockDistributor.plan_stacks`
+    returned, ``plan`` the regions of the moving blocks, ``index`` their positions in
+    the whole stack (None: every block), ``update`` a ``(blocks, rows, cols)`` tensor.
+    """
+
+    stack: int
+    plan: StackPlan
+    index: Optional[Tensor]
+    update: Tensor
+
+
+class SharedUpdates(Protocol):
+    """Every rank's block updates after the exchange, before they are applied."""
+
+    def tensors(self) -> list[Tensor]:
+        """Everything :meth:`apply` would add (checked for finiteness first, identically on every rank)."""
+        ...
+
+    def apply(self, params: list[Tensor]) -> None:
+        """Add every update to its parameter (not collective)."""
+        ...
 
 
 class BlockDistributor(Protocol):
@@ -20,25 +51,61 @@ class BlockDistributor(Protocol):
     rank: int
     world_size: int
 
-    def assign_owners(
-        self, keys: Sequence[Hashable], shapes: Sequence[tuple[int, int]], frequencies: Sequence[int]
-    ) -> list[int]:
-        """Owner rank of each block (not collective: deterministic on every rank).
+    @property
+    def balance(self) -> float:
+        """max / mean of the per-rank cost of the current ownership (not collective)."""
+        ...
 
-        Blocks whose key was assigned before keep their owner, so their state
-        stays where it is when parameters are added during training.
+    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+        """The stacks of the blocks this rank owns (not collective: deterministic on every rank).
+
+        ``regions`` are every block region of every parameter, ``frequencies`` the
+        ``precondition_frequency`` of each region's parameter (for the cost model).
+        Blocks planned before keep their owner.
         """
         ...
 
-    @property
-    def balance(self) -> float:
-        """max / mean of the per-rank cost of the current assignment."""
+    def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
+        """Exchange this rank's block updates so that every rank can apply all of them."""
         ...
 
-    def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        """Every rank's equally sized float32 ``tensor`` (sent in the communication dtype)."""
+    def reduce_failures(self, summary: Tensor) -> Tensor:
+        """``[failed roots, longest streak]`` summed and maxed over ranks."""
         ...
 
-    def gather_to_first(self, obj: Any) -> Optional[list[Any]]:
-        """Every rank's picklable ``obj`` on rank 0 (None elsewhere)."""
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Tensor]]]:
+        """Every rank's per-parameter state (keyed by state-dict position, each block held
+        by one rank) merged into one on rank 0; None on the other ranks."""
         ...
+
+
+@dataclass
+class _LocalUpdates:
+    updates: list[BlockUpdate]
+
+    def tensors(self) -> list[Tensor]:
+        return [item.update for item in self.updates]
+
+    def apply(self, params: list[Tensor]) -> None:
+        for item in self.updates:
+            item.plan.add_to(params, item.update)
+
+
+class LocalDistributor:
+    """One process owning every block: no communication."""
+
+    rank = 0
+    world_size = 1
+    balance = 1.0
+
+    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+        return stacks_by_placement(regions, params)
+
+    def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
+        return _LocalUpdates(updates)
+
+    def reduce_failures(self, summary: Tensor) -> Tensor:
+        return summary
+
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Any]]]:
+        return state

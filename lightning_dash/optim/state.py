@@ -109,7 +109,7 @@ def _tile_index(region: Region, block_size: int, row: int, col: int) -> tuple[in
     return region.row_start // block_size + row, region.col_start // block_size + col
 
 
-def _grid_shape(shape: tuple[int, int], block_size: int) -> tuple[int, int]:
+def grid_shape(shape: tuple[int, int], block_size: int) -> tuple[int, int]:
     return -(-shape[0] // block_size), -(-shape[1] // block_size)
 
 
@@ -126,7 +126,7 @@ def export_stack(
         param = params[region.param_index]
         shape = matrix_shape(param.shape)
         entry = out.setdefault(region.param_index, {})
-        grid = _grid_shape(shape, block_size)
+        grid = grid_shape(shape, block_size)
         valid = entry.setdefault(ROOT_VALID, torch.zeros(grid, dtype=torch.bool))
         failures = entry.setdefault(ROOT_FAILURES, torch.zeros(grid, dtype=torch.int32))
         for name in (MOMENTUM, GRAFTING_RMS):
@@ -189,70 +189,3 @@ def import_stack(
                 root_failures[block] = entry[ROOT_FAILURES][i, j]
     state.root_valid.copy_(root_valid)
     state.root_failures.copy_(root_failures)
-
-
-#: Per-group keys every DASH state dict carries (an AdamW state dict has none of them).
-DASH_GROUP_KEYS = ("grafting_beta2", "grafting_epsilon", "precondition_frequency",
-                   "start_preconditioning_step", "shampoo_blend")
-
-
-def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], block_size: int) -> None:
-    """Reject, with a ``ValueError`` naming the problem, a state dict DASH cannot resume
-    from: another optimizer's, one whose block layout differs from ``block_size`` for
-    these ``params`` (in state-dict order), or one holding non-finite statistics.
-    Checked at load so that nothing fails, or NaNs the model, steps later."""
-    for position, group in enumerate(state_dict.get("param_groups", [])):
-        missing = [key for key in DASH_GROUP_KEYS if key not in group]
-        if missing:
-            raise ValueError(
-                f"load_state_dict: param_groups[{position}] lacks the DASH keys {missing}: this is not "
-                "a DASH state dict (to start DASH from another optimizer's run, load the model's "
-                "weights only)"
-            )
-    saved_keys = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
-    position_of = {key: position for position, key in enumerate(saved_keys)}
-    for key, entry in state_dict.get("state", {}).items():
-        if key not in position_of or position_of[key] >= len(params):
-            continue  # torch's own checks report a parameter-count mismatch
-        position = position_of[key]
-        param, name = params[position], names[position]
-        for item, value in entry.items():
-            if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise ValueError(f"load_state_dict: saved {item} of {name} holds non-finite values")
-        _check_tiles(entry, param, name, block_size)
-
-
-def _check_tiles(entry: dict, param: Tensor, name: str, block_size: int) -> None:
-    if param.dim() < 2 or param.numel() == 0:
-        return
-    shape = matrix_shape(param.shape)
-    rows, cols = _grid_shape(shape, block_size)
-    for item, value in entry.items():
-        key, _, tile = item.rpartition("_")
-        key, _, row = key.rpartition("_")
-        if key not in FACTOR_KEYS:
-            continue
-        i, j = int(row), int(tile)
-        side = min(block_size, shape[0] - i * block_size) if key.startswith("left") else (
-            min(block_size, shape[1] - j * block_size))
-        if i >= rows or j >= cols or tuple(value.shape) != (side, side):
-            raise ValueError(
-                f"load_state_dict: saved {item} of {name} {tuple(value.shape)} does not fit "
-                f"block_size={block_size} for a parameter of shape {tuple(param.shape)}; was it "
-                "saved with another block_size or for another model?"
-            )
-    for item in (ROOT_VALID, ROOT_FAILURES):
-        if item in entry and tuple(entry[item].shape) != (rows, cols):
-            raise ValueError(
-                f"load_state_dict: saved {item} of {name} has a {tuple(entry[item].shape)} tile grid, "
-                f"block_size={block_size} gives {(rows, cols)}; was it saved with another block_size?"
-            )
-
-
-def upgrade_entry(entry: dict) -> dict:
-    """An older per-parameter entry in today's layout: the grafting second moment
-    becomes its square root (factors without a saved scale are taken as unscaled)."""
-    if LEGACY_SECOND_MOMENT in entry and GRAFTING_RMS not in entry:
-        entry = dict(entry)
-        entry[GRAFTING_RMS] = entry.pop(LEGACY_SECOND_MOMENT).clamp_min(0).sqrt()
-    return entry

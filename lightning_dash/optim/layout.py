@@ -1,0 +1,151 @@
+"""Where every parameter's optimizer state lives while DASH trains.
+
+Parameters of two or more dimensions are cut into blocks (:mod:`.blocks`); the
+blocks this process owns live in stacks, one :class:`~.state.StackState` per block
+shape, device and state dtype. The one-dimensional parameters of a group share
+flat momentum and second-moment buffers. A layout is built at the first step
+(and again after the groups, the distributor or the state change) from the
+per-parameter entries of ``optimizer.state``, and exported back to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, import_stack
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """Optimizer state of float64 parameters is float64; of every other dtype, float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def matrix_regions(params: list[Tensor], block_size: int) -> list[Region]:
+    """The block regions of every non-empty parameter of two or more dimensions, in order."""
+    return [
+        region
+        for index, param in enumerate(params)
+        if param.dim() >= 2 and param.numel() > 0
+        for region in param_regions(index, matrix_shape(param.shape), block_size)
+    ]
+
+
+def stacks_by_placement(regions: list[Region], params: list[Tensor]) -> list[StackPlan]:
+    """Stacks of equal block shape, apart for each device and state dtype."""
+
+    def placement(region: Region) -> tuple[torch.device, torch.dtype]:
+        param = params[region.param_index]
+        return param.device, state_dtype(param)
+
+    keys = dict.fromkeys(placement(region) for region in regions)
+    return [plan for key in keys for plan in stack_regions([r for r in regions if placement(r) == key])]
+
+
+@dataclass
+class Stack:
+    """One stack: its plan (which tiles of which parameters) and its state."""
+
+    plan: StackPlan
+    state: StackState
+
+
+@dataclass
+class VectorGroup:
+    """The one-dimensional parameters of one param group on one device, as flat buffers."""
+
+    group_index: int
+    param_indices: list[int]
+    offsets: list[int]
+    numels: list[int]
+    momentum: Tensor
+    rms: Tensor
+
+
+@dataclass
+class Layout:
+    """Every parameter (flat, in ``param_groups`` order) and where its state lives."""
+
+    params: list[Tensor]
+    group_of: list[int]
+    names: list[str]
+    steps: list[int]
+    stacks: list[Stack]
+    vectors: list[VectorGroup]
+
+
+def build_layout(
+    params: list[Tensor],
+    group_of: list[int],
+    names: list[str],
+    saved: dict[int, dict[str, Tensor]],
+    plans: list[StackPlan],
+    block_size: int,
+    want_momentum: bool,
+    want_second_moment: bool,
+) -> Layout:
+    """Allocate the stacks of ``plans`` and the vector buffers, filled from ``saved``
+    (per-parameter entries by flat index; missing statistics start at zero)."""
+    steps = [int(saved[index]["step"].item()) for index in range(len(params))]
+    stacks: list[Stack] = []
+    for plan in plans:
+        if not plan.regions:
+            continue
+        first = params[plan.regions[0].param_index]
+        state = StackState.zeros(plan.num_blocks, plan.block_shape, first.device, state_dtype(first))
+        if want_momentum:
+            state.ensure(MOMENTUM)
+        if want_second_moment:
+            state.ensure(GRAFTING_RMS)
+        import_stack(plan, state, params, block_size, saved, names)
+        stacks.append(Stack(plan, state))
+    vectors: list[VectorGroup] = []
+    for group_index in sorted(set(group_of)):
+        members: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, param in enumerate(params):
+            if group_of[index] == group_index and param.dim() < 2 and param.numel() > 0:
+                members.setdefault((param.device, state_dtype(param)), []).append(index)
+        for (device, dtype), indices in members.items():
+            vectors.append(_vector_group(group_index, indices, params, saved, device, dtype))
+    return Layout(params, group_of, names, steps, stacks, vectors)
+
+
+def _vector_group(group_index: int, indices: list[int], params: list[Tensor], saved: dict[int, dict[str, Tensor]],
+                  device: torch.device, dtype: torch.dtype) -> VectorGroup:
+    numels = [params[i].numel() for i in indices]
+    offsets = [sum(numels[:k]) for k in range(len(numels))]
+    momentum = torch.zeros(sum(numels), device=device, dtype=dtype)
+    rms = torch.zeros(sum(numels), device=device, dtype=dtype)
+    for index, offset, numel in zip(indices, offsets, numels):
+        for name, flat in ((MOMENTUM, momentum), (GRAFTING_RMS, rms)):
+            if name in saved[index]:
+                flat[offset : offset + numel].copy_(saved[index][name].reshape(-1))
+    return VectorGroup(group_index, indices, offsets, numels, momentum, rms)
+
+
+def export_layout(layout: Layout, block_size: int, include_vectors: bool = True) -> dict[int, dict[str, Tensor]]:
+    """Per-parameter copies of the layout's state, keyed by flat parameter index.
+
+    One-dimensional parameters are replicated on every rank; ``include_vectors``
+    leaves them out so that only one rank contributes them when ranks are merged.
+    """
+    out: dict[int, dict[str, Tensor]] = {}
+    for stack in layout.stacks:
+        export_stack(stack.plan, stack.state, layout.params, block_size, out)
+    for vector in layout.vectors if include_vectors else []:
+        for index, offset, numel in zip(vector.param_indices, vector.offsets, vector.numels):
+            shape = layout.params[index].shape
+            out[index] = {
+                MOMENTUM: vector.momentum[offset : offset + numel].clone().view(shape),
+                GRAFTING_RMS: vector.rms[offset : offset + numel].clone().view(shape),
+            }
+    return out
+
+
+def owned_blocks(layout: Optional[Layout]) -> int:
+    """Blocks whose statistics this process holds."""
+    return 0 if layout is None else sum(stack.plan.num_blocks for stack in layout.stacks)

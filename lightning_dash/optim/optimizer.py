@@ -1,0 +1,406 @@
+"""DASH: Shampoo with every equal-shaped block of every parameter processed as one stack."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.checkpoint import COUNTERS, check_loadable, restore_entries, with_state
+from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_group, check_option
+from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, dash_group_settings
+from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate, LocalDistributor
+from lightning_dash.optim.grafting import uses_second_moment
+from lightning_dash.optim.layout import Layout, build_layout, export_layout, matrix_regions, owned_blocks
+from lightning_dash.optim.root_failures import count_root_failures, raise_on_streak
+from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
+from lightning_dash.optim.roots import RootSettings
+from lightning_dash.optim.stack_update import (
+    UpdateRules,
+    active_params,
+    begin_stack,
+    decay_weights,
+    roots_due,
+    stack_direction,
+    vector_work,
+)
+from lightning_dash.optim.validation import check_number
+
+
+class DASH(torch.optim.Optimizer):
+    """Shampoo with batched block processing, batched inverse roots and grafting.
+
+    Each parameter of two or more dimensions is viewed as a matrix, cut into
+    ``block_size`` tiles, and every tile keeps Kronecker factors
+    ``L <- b2 L + (1 - b2) G G^T`` and ``R <- b2 R + (1 - b2) G^T G``. Its update is
+    ``L^(-1/4) M R^(-1/4)`` (M the gradient momentum), rescaled per block to the
+    norm of the grafting optimizer's update. One-dimensional parameters use the
+    grafting optimizer alone (Adam when ``grafting="none"``). All tiles of one shape,
+    from every parameter and group, are updated together by batched matmuls.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr: learning rate (default: ``config.lr``).
+        config: the options as a :class:`~lightning_dash.optim.config.DashConfig`.
+        distributor: block ownership across data-parallel ranks (None: this process
+            owns every block).
+        **options: any :class:`~lightning_dash.optim.config.DashConfig` option by
+            keyword (``betas``, ``epsilon``, ``block_size``, ``inverse_root_method``,
+            ...); they replace the values of ``config``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: Optional[float] = None,
+        *,
+        config: Optional[DashConfig] = None,
+        distributor: Optional[BlockDistributor] = None,
+        **options: Any,
+    ) -> None:
+        if lr is not None:
+            options["lr"] = lr
+        self._config = DashConfig.build(config, **options)
+        self._grafting = self._config.grafting
+        #: Blocks whose new roots were rejected (non-finite, or a residual above
+        #: :func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.
+        self.root_failure_count = 0
+        #: Steps skipped whole because some gradient was not finite.
+        self.nonfinite_grad_skips = 0
+        #: Steps skipped whole because some computed update was not finite.
+        self.nonfinite_update_skips = 0
+        #: When True (and blocks are sharded), :meth:`state_dict` is collective: every rank
+        #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
+        #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
+        self.collective_state_dict = False
+        #: The root computation: synchronous, or on a side CUDA stream.
+        self.roots = RootRefresher(self.root_settings, self._config.bias_correction,
+                                   self._config.async_preconditioning, self._config.max_staleness)
+        self._layout: Optional[Layout] = None
+        self._distributor: BlockDistributor = distributor or LocalDistributor()
+        self._consolidated: Optional[dict[int, dict[str, Tensor]]] = None
+        defaults = self._config.group_defaults()
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ options
+    @property
+    def config(self) -> DashConfig:
+        """The optimizer's options (with the current grafting type)."""
+        return dataclasses.replace(self._config, grafting=self._grafting)
+
+    def __getattr__(self, name: str) -> Any:
+        # Optimizer-wide options read as attributes (``opt.block_size``, ``opt.nesterov``, ...).
+        config = self.__dict__.get("_config")
+        if config is not None and name in DashConfig.__dataclass_fields__ and name not in GROUP_OPTIONS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def root_settings(self) -> RootSettings:
+        """How the inverse roots are computed (from the options)."""
+        return self._config.root_settings
+
+    @property
+    def grafting(self) -> str:
+        """The grafting type; may be changed during training (e.g. by a schedule callback)."""
+        return self._grafting
+
+    @grafting.setter
+    def grafting(self, kind: str) -> None:
+        self._grafting = check_option("grafting", kind)
+
+    @property
+    def distributor(self) -> BlockDistributor:
+        """Block ownership across data-parallel ranks (a :class:`LocalDistributor` in one process)."""
+        return self._distributor
+
+    @distributor.setter
+    def distributor(self, distributor: Optional[BlockDistributor]) -> None:
+        self._retire_layout()
+        self._distributor = distributor or LocalDistributor()
+
+    @property
+    def ownership_balance(self) -> float:
+        """max / mean of the per-rank cost of the block ownership (1.0 in one process)."""
+        return self._distributor.balance
+
+    @property
+    def owned_blocks(self) -> int:
+        """Blocks whose statistics this process holds (0 before the first step)."""
+        return owned_blocks(self._layout)
+
+    @property
+    def preconditioned_blocks(self) -> int:
+        """Blocks of this process whose Shampoo roots are in use (roots still being
+        computed on a side stream are not counted); reads a count back from the device."""
+        if self._layout is None:
+            return 0
+        return sum(int(stack.state.root_valid.sum()) for stack in self._layout.stacks)
+
+    @property
+    def last_root_residual(self) -> Optional[Tensor]:
+        """Largest Newton residual of the roots accepted in the latest step (None if none were)."""
+        return self.roots.last_residual
+
+    @property
+    def async_roots_hidden(self) -> int:
+        """Asynchronous root launches swapped in without the main stream waiting (this rank)."""
+        return self.roots.pipeline.hidden
+
+    @property
+    def async_roots_waited(self) -> int:
+        """Asynchronous root launches the main stream had to wait for (this rank)."""
+        return self.roots.pipeline.waited
+
+    @property
+    def async_wait_ms(self) -> float:
+        """Device milliseconds the main stream stalled waiting for side-stream roots."""
+        return self.roots.pipeline.wait_ms
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> "DASH":
+        """DASH over ``optimizer``'s own parameter-group dictionaries.
+
+        Learning rates, momenta, epsilons and weight decay map onto DASH and its
+        grafting (Adam-family optimizers graft Adam, SGD grafts SGD, ...); schedulers
+        attached to ``optimizer`` keep editing the same dictionaries. Keyword
+        overrides set any :class:`~lightning_dash.optim.config.DashConfig` option
+        (per-group ones in every group); ``factor_decay`` sets ``betas[1]``. A DASH
+        optimizer is returned unchanged. A subclass that overrides its base class's
+        ``step`` is refused (its update rule would be lost) unless ``allow_custom_step=True``.
+        """
+        if isinstance(optimizer, DASH):
+            return optimizer
+        factor_decay = check_number("factor_decay", overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY),
+                                    low=0.0, high=1.0)
+        allow_custom_step = overrides.pop("allow_custom_step", False)
+        group_settings, options = dash_group_settings(optimizer, factor_decay, allow_custom_step)
+        per_group = {key: check_option(key, overrides.pop(key)) for key in list(overrides) if key in GROUP_OPTIONS}
+        for group, settings in zip(optimizer.param_groups, group_settings):
+            group.update(settings)
+            group.update(per_group)
+        return cls(optimizer.param_groups, **{**options, **overrides})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (also after training started); its hyperparameters are checked."""
+        self._retire_layout()
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    # ------------------------------------------------------------------ layout
+    def _flat_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _param_names(self) -> list[str]:
+        names = []
+        for group_index, group in enumerate(self.param_groups):
+            given = group.get("param_names")
+            for position, param in enumerate(group["params"]):
+                names.append(str(given[position]) if given is not None
+                             else f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
+        return names
+
+    def _current_layout(self) -> Layout:
+        """The stacked state, built from ``self.state`` when there is none."""
+        if self._layout is not None:
+            return self._layout
+        params = self._flat_params()
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        saved = {}
+        for index, param in enumerate(params):
+            entry = self.state[param]
+            entry["step"] = torch.as_tensor(entry.get("step", 0.0), dtype=torch.float32, device="cpu")
+            saved[index] = entry
+        regions = matrix_regions(params, self.block_size)
+        frequencies = [self.param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
+        plans = self._distributor.plan_stacks(regions, params, frequencies)
+        self._layout = build_layout(
+            params, group_of, self._param_names(), saved, plans, self.block_size,
+            want_momentum=any(group["betas"][0] > 0 for group in self.param_groups),
+            want_second_moment=uses_second_moment(self.grafting),
+        )
+        for param in params:  # statistics now live in the stacks; only step counts stay here
+            step = self.state[param]["step"]
+            self.state[param].clear()
+            self.state[param]["step"] = step
+        return self._layout
+
+    def _retire_layout(self) -> None:
+        """Move stacked state back into ``self.state`` so the layout can be rebuilt."""
+        if "roots" in self.__dict__:
+            self._settle_roots(collective=False)
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            return
+        for index, entry in export_layout(layout, self.block_size).items():
+            self.state[layout.params[index]].update(entry)
+        self._layout = None
+
+    def _settle_roots(self, collective: bool) -> None:
+        """Swap pending side-stream roots in, so saved or exported state holds them."""
+        report = self.roots.settle(self._layout, collective or self._distributor.world_size == 1)
+        if report is not None:
+            self._count_failures(self._layout, report)
+
+    def _count_failures(self, layout: Layout, report: FailureReport) -> None:
+        device = layout.params[0].device if layout.params else torch.device("cpu")
+        failed, longest = count_root_failures(report, self._distributor, device)
+        self.root_failure_count += failed
+        raise_on_streak(report, layout.names, longest, self.max_consecutive_root_failures, self.root_settings.method)
+
+    # ------------------------------------------------------------------ state dict
+    def _local_state(self) -> dict[int, dict[str, Tensor]]:
+        """This process's statistics keyed by state-dict position (copies); the replicated
+        one-dimensional parameters come from rank 0 only."""
+        if self._layout is None:
+            return {}
+        positions = {id(p): i for i, p in enumerate(self._flat_params())}
+        exported = export_layout(self._layout, self.block_size, include_vectors=self._distributor.rank == 0)
+        return {positions[id(self._layout.params[index])]: entry for index, entry in exported.items()}
+
+    def consolidate_state_dict(self) -> None:
+        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
+
+        Collective: call it on every rank (Lightning's strategies do before saving).
+        """
+        self._settle_roots(collective=True)
+        if self._distributor.world_size == 1:
+            return
+        if self._layout is None and any(len(entry) > 1 for entry in self.state.values()):
+            # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
+            # every rank holds whole): stack them first, so each rank reports only its blocks.
+            self._current_layout()
+        local = {key: {name: value.cpu() for name, value in entry.items()} for key, entry in self._local_state().items()}
+        self._consolidated = self._distributor.gather_states(local)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
+
+        Every statistic, root, momentum and step count is a per-parameter copy. With
+        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
+        (on every rank); the complete state is then returned on rank 0. With
+        ``collective_state_dict`` set, this call consolidates by itself (every rank
+        must call it) and the other ranks get only the step counts.
+        """
+        self._settle_roots(collective=False)
+        sharded = self._distributor.world_size > 1
+        if sharded and self.collective_state_dict:
+            self.consolidate_state_dict()
+            if self._distributor.rank != 0:
+                return super().state_dict()
+        if sharded and self._consolidated is None:
+            raise RuntimeError(
+                "DASH state is sharded across ranks: call consolidate_state_dict() on every rank "
+                "first, then state_dict() on rank 0"
+            )
+        entries = self._consolidated if sharded else self._local_state()
+        self._consolidated = None
+        extra = {name: getattr(self, name) for name in COUNTERS}
+        return with_state(super().state_dict(), entries, {**extra, "grafting": self.grafting})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
+
+        Tensors keep their saved dtype (statistics stay float32 for low-precision
+        parameters); the stacks are rebuilt at the next step.
+        """
+        check_loadable(state_dict, self._flat_params(), self._param_names(), self.block_size)
+        self.roots.discard()
+        state_dict = dict(state_dict)
+        saved_state = state_dict.pop("state")
+        extra = state_dict.pop("dash", {})
+        self._layout = None
+        self._consolidated = None
+        super().load_state_dict({**state_dict, "state": {}})
+        self.state.clear()
+        self.state.update(restore_entries(saved_state, state_dict["param_groups"], self._flat_params()))
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": without the
+        # "dash" entry the counters and grafting type stay as they are.
+        for name in COUNTERS:
+            setattr(self, name, int(extra.get(name, getattr(self, name))))
+        saved_grafting = extra.get("grafting", self.grafting)
+        if saved_grafting != self.grafting:
+            warnings.warn(
+                f"DASH.load_state_dict: the checkpoint's grafting={saved_grafting!r} replaces "
+                f"grafting={self.grafting!r} (the checkpoint wins, as after a GraftingSchedule switch)",
+                stacklevel=2,
+            )
+        self.grafting = saved_grafting
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step; calls ``closure`` (with gradients enabled) first if given.
+
+        The step is applied whole or not at all: every new statistic, root and update
+        is computed first, then checked, then committed. A non-finite gradient
+        anywhere skips the whole step (``nonfinite_grad_skips``); a non-finite update
+        skips it too (``nonfinite_update_skips``); a root streak reaching
+        ``max_consecutive_root_failures`` raises :class:`RootComputationError` before
+        anything but the failure counters has changed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        layout = self._current_layout()
+        self.roots.last_residual = None
+        active, all_finite, all_zero = active_params(layout)
+        if not active or (all_zero and all(group["lr"] == 0 for group in self.param_groups)):
+            # Nothing can move: torch.distributed.checkpoint materialises an empty
+            # optimizer's state this way, and it must not advance any counter.
+            return loss
+        if not all_finite:
+            self.nonfinite_grad_skips += 1
+            return loss
+        for index in active:
+            layout.steps[index] += 1
+        committed = False
+        try:
+            committed = self._step_whole(layout, active)
+        finally:
+            if not committed:
+                for index in active:
+                    layout.steps[index] -= 1
+        return loss
+
+    def _step_whole(self, layout: Layout, active: set[int]) -> bool:
+        """Compute every candidate, check it, and commit it (see :meth:`step`); returns
+        whether the step was committed."""
+        rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
+        due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], self.param_groups[layout.group_of[i]])
+                  for i in active)
+        # Side-stream roots swap in before any statistics move (and before blocks are copied out).
+        report = self.roots.begin_step(layout, due)
+        vectors = [work for vector in layout.vectors
+                   if (work := vector_work(layout, vector, self.param_groups[vector.group_index], active, rules))]
+        positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
+        works = [work for stack in layout.stacks if (work := begin_stack(layout, stack, self.param_groups, active, rules))]
+        report = self.roots.refresh(layout, works, due) or report
+        if report is not None:
+            self._count_failures(layout, report)
+        shared = self._distributor.share_updates([
+            BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules)) for work in works
+        ])
+        checked = shared.tensors() + [work.update for work in vectors]
+        if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
+            self.nonfinite_update_skips += 1
+            return False
+        # Commit: nothing below can fail on bad numbers.
+        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], 1.0)
+        decay_weights(layout, self.param_groups, active)
+        for work in vectors:
+            work.commit()
+            torch._foreach_add_(work.params, work.update_views())
+        for work in works:
+            work.commit()
+        shared.apply(layout.params)
+        self.roots.launch(layout, works, due)
+        return True

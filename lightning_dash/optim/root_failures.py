@@ -1,0 +1,50 @@
+"""Counting rejected inverse roots, and stopping once a block keeps failing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_dash.optim.distributor import BlockDistributor
+from lightning_dash.optim.root_refresh import FailureReport
+
+
+class RootComputationError(RuntimeError):
+    """A block's inverse root failed ``max_consecutive_root_failures`` times in a row."""
+
+
+def count_root_failures(report: FailureReport, distributor: BlockDistributor,
+                        device: torch.device) -> tuple[int, int]:
+    """Roots ``report`` rejected over all ranks, and the longest failure streak of any
+    block (collective when blocks are owned by several ranks; ``device``: the
+    parameters', where the collective runs)."""
+    local = torch.stack(report.failures).float() if report.failures else torch.zeros(1, 2)
+    summary = torch.stack([local[:, 0].sum(), local[:, 1].max()]).to(device)
+    summary = distributor.reduce_failures(summary).cpu()
+    return int(summary[0]), int(summary[1])
+
+
+def raise_on_streak(report: FailureReport, names: list[str], longest: int, limit: Optional[int], method: str) -> None:
+    """Raise :class:`RootComputationError` once the longest streak (over all ranks)
+    reaches ``limit``, naming the parameter when this rank holds the block.
+
+    Every rank sees the same ``longest``, so every rank raises together. In a
+    synchronous step the streaks are the step's candidates, so the error comes before
+    anything but the counters has changed.
+    """
+    if limit is None or longest < limit:
+        return
+    for plan, streak in report.streaks:
+        streak = streak.cpu()
+        for region in plan.regions:
+            block = region.stack_offset
+            if int(streak[block : block + region.num_blocks].max()) >= limit:
+                raise RootComputationError(
+                    f"inverse root of {names[region.param_index]} failed {limit} times in a row "
+                    f"(method={method}); try a larger epsilon, a lower lr, or 'eigh'"
+                )
+    raise RootComputationError(
+        f"an inverse root owned by another rank failed {limit} times in a row "
+        f"(method={method}); that rank names the parameter"
+    )

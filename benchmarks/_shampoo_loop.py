@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import matrix_shape
-from lightning_dash.optim.dash import DEFAULT_EPSILON
+from lightning_dash.optim.config import DEFAULT_EPSILON
 from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.roots import RootSettings, inverse_root

@@ -85,7 +85,8 @@ class GatheredUpdates:
         for flat, plans, offsets in zip(self.buffers, self.exchange.plans, self.exchange.offsets):
             for plan, offset in zip(plans, offsets):
                 rows, cols = plan.block_shape
-                plan.add_to(params, flat[offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols))
+                window = flat[offset : offset + plan.num_blocks * rows * cols]
+                plan.add_to(params, window.view(plan.num_blocks, rows, cols))
 
 
 def merge_rank_states(states: list[dict[int, dict[str, Tensor]]]) -> dict[int, dict[str, Tensor]]:

@@ -8,12 +8,15 @@ first, so a checkpoint does not depend on the world size it was written at.
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import matrix_shape
+from lightning_dash.optim.distributor import BlockDistributor
+from lightning_dash.optim.layout import Layout, export_layout, param_names
 from lightning_dash.optim.state import (
     FACTOR_KEYS,
     GRAFTING_RMS,
@@ -121,3 +124,106 @@ def upgrade_entry(entry: dict) -> dict:
         entry = dict(entry)
         entry[GRAFTING_RMS] = entry.pop(LEGACY_SECOND_MOMENT).clamp_min(0).sqrt()
     return entry
+
+
+class DashStateDict(torch.optim.Optimizer):
+    """The state_dict and resume logic of :class:`~lightning_dash.optim.DASH` (its base class).
+
+    Relies on the optimizer's layout (``_layout``, ``_current_layout``), its
+    distributor, its root refresher (``roots``, ``_settle_roots``) and its counters.
+    """
+
+    _layout: Optional[Layout]
+    _distributor: BlockDistributor
+    _consolidated: Optional[dict[int, dict[str, Tensor]]]
+    collective_state_dict: bool
+    block_size: int
+    grafting: str
+
+    def _flat_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _current_layout(self) -> Layout:
+        raise NotImplementedError
+
+    def _settle_roots(self, collective: bool) -> None:
+        raise NotImplementedError
+
+    def _local_state(self) -> dict[int, dict[str, Tensor]]:
+        """This process's statistics keyed by state-dict position (copies); the replicated
+        one-dimensional parameters come from rank 0 only."""
+        if self._layout is None:
+            return {}
+        positions = {id(p): i for i, p in enumerate(self._flat_params())}
+        exported = export_layout(self._layout, self.block_size, include_vectors=self._distributor.rank == 0)
+        return {positions[id(self._layout.params[index])]: entry for index, entry in exported.items()}
+
+    def consolidate_state_dict(self) -> None:
+        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
+
+        Collective: call it on every rank (Lightning's strategies do before saving).
+        """
+        self._settle_roots(collective=True)
+        if self._distributor.world_size == 1:
+            return
+        if self._layout is None and any(len(entry) > 1 for entry in self.state.values()):
+            # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
+            # every rank holds whole): stack them first, so each rank reports only its blocks.
+            self._current_layout()
+        local = {key: {name: value.cpu() for name, value in entry.items()}
+                 for key, entry in self._local_state().items()}
+        self._consolidated = self._distributor.gather_states(local)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
+
+        Every statistic, root, momentum and step count is a per-parameter copy. With
+        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
+        (on every rank); the complete state is then returned on rank 0. With
+        ``collective_state_dict`` set, this call consolidates by itself (every rank
+        must call it) and the other ranks get only the step counts.
+        """
+        self._settle_roots(collective=False)
+        sharded = self._distributor.world_size > 1
+        if sharded and self.collective_state_dict:
+            self.consolidate_state_dict()
+            if self._distributor.rank != 0:
+                return super().state_dict()
+        if sharded and self._consolidated is None:
+            raise RuntimeError(
+                "DASH state is sharded across ranks: call consolidate_state_dict() on every rank "
+                "first, then state_dict() on rank 0"
+            )
+        entries = self._consolidated if sharded else self._local_state()
+        self._consolidated = None
+        extra = {name: getattr(self, name) for name in COUNTERS}
+        return with_state(super().state_dict(), entries, {**extra, "grafting": self.grafting})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
+
+        Tensors keep their saved dtype (statistics stay float32 for low-precision
+        parameters); the stacks are rebuilt at the next step.
+        """
+        check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
+        self.roots.discard()
+        state_dict = dict(state_dict)
+        saved_state = state_dict.pop("state")
+        extra = state_dict.pop("dash", {})
+        self._layout = None
+        self._consolidated = None
+        super().load_state_dict({**state_dict, "state": {}})
+        self.state.clear()
+        self.state.update(restore_entries(saved_state, state_dict["param_groups"], self._flat_params()))
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": without the
+        # "dash" entry the counters and grafting type stay as they are.
+        for name in COUNTERS:
+            setattr(self, name, int(extra.get(name, getattr(self, name))))
+        saved_grafting = extra.get("grafting", self.grafting)
+        if saved_grafting != self.grafting:
+            warnings.warn(
+                f"DASH.load_state_dict: the checkpoint's grafting={saved_grafting!r} replaces "
+                f"grafting={self.grafting!r} (the checkpoint wins, as after a GraftingSchedule switch)",
+                stacklevel=2,
+            )
+        self.grafting = saved_grafting

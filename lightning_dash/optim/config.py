@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-import torch
 
 from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from lightning_dash.optim.config import GROUP_OPTIONS, check_option, check_option_names
+from lightning_dash.optim.validation import check_bool, check_number
+
 #: Decay of the Kronecker factors when the source optimizer has none (DASH's default).
 DEFAULT_FACTOR_DECAY = 0.95
 
@@ -106,3 +109,23 @@ def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = 
         settings.append(values)
     nesterov = any(bool(group.get("nesterov", False)) for group in optimizer.param_groups)
     return settings, {"grafting": grafting, "nesterov": nesterov}
+
+
+def converted_groups(optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``optimizer``'s own group dictionaries, updated to DASH settings, and DASH's
+    optimizer-wide options (see ``DASH.from_optimizer``).
+
+    ``overrides`` holds DASH options (per-group ones are written into every group) and
+    the conversion options ``factor_decay`` (``betas[1]``) and ``allow_custom_step``.
+    """
+    overrides = dict(overrides)
+    factor_decay = check_number("factor_decay", overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY), low=0.0, high=1.0)
+    allow_custom_step = check_bool("allow_custom_step", overrides.pop("allow_custom_step", False))
+    group_settings, options = dash_group_settings(optimizer, factor_decay, allow_custom_step)
+    check_option_names(overrides)
+    per_group = {key: check_option(key, overrides.pop(key)) for key in list(overrides) if key in GROUP_OPTIONS}
+    for group, settings in zip(optimizer.param_groups, group_settings):
+        group.update(settings)
+        group.update(per_group)
+    return optimizer.param_groups, {**options, **overrides}

@@ -11,7 +11,7 @@ per-parameter entries of ``optimizer.state``, and exported back to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -149,3 +149,43 @@ def export_layout(layout: Layout, block_size: int, include_vectors: bool = True)
 def owned_blocks(layout: Optional[Layout]) -> int:
     """Blocks whose statistics this process holds."""
     return 0 if layout is None else sum(stack.plan.num_blocks for stack in layout.stacks)
+
+
+def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
+    """A name for every parameter, for messages: the group's ``param_names`` when given
+    (named parameters), else its position and shape."""
+    names = []
+    for group_index, group in enumerate(param_groups):
+        given = group.get("param_names")
+        for position, param in enumerate(group["params"]):
+            names.append(str(given[position]) if given is not None
+                         else f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
+    return names
+
+
+#: ``plan_stacks(regions, params, frequencies)``: the stacks this process owns (see ``BlockDistributor``).
+PlanStacks = Callable[[list[Region], list[Tensor], list[int]], list[StackPlan]]
+
+
+def stack_state(param_groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]], plan_stacks: PlanStacks,
+                block_size: int, want_second_moment: bool) -> Layout:
+    """Move the per-parameter statistics of ``state`` (an optimizer's) into a new layout
+    of the stacks ``plan_stacks`` gives this process; only step counts stay in ``state``."""
+    params = [p for group in param_groups for p in group["params"]]
+    group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+    saved = {}
+    for index, param in enumerate(params):
+        entry = state[param]
+        entry["step"] = torch.as_tensor(entry.get("step", 0.0), dtype=torch.float32, device="cpu")
+        saved[index] = entry
+    regions = matrix_regions(params, block_size)
+    frequencies = [param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
+    layout = build_layout(
+        params, group_of, param_names(param_groups), saved, plan_stacks(regions, params, frequencies), block_size,
+        want_momentum=any(group["betas"][0] > 0 for group in param_groups), want_second_moment=want_second_moment,
+    )
+    for param in params:
+        step = state[param]["step"]
+        state[param].clear()
+        state[param]["step"] = step
+    return layout

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.checkpoint import COUNTERS, check_loadable, restore_entries, with_state
+from lightning_dash.optim.checkpoint import DashStateDict
 from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_group, check_option
-from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, dash_group_settings
+from lightning_dash.optim.conversion import converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate, LocalDistributor
 from lightning_dash.optim.grafting import uses_second_moment
-from lightning_dash.optim.layout import Layout, build_layout, export_layout, matrix_regions, owned_blocks
+from lightning_dash.optim.layout import Layout, export_layout, owned_blocks, stack_state
 from lightning_dash.optim.root_failures import count_root_failures, raise_on_streak
 from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
 from lightning_dash.optim.roots import RootSettings
@@ -27,10 +26,9 @@ from lightning_dash.optim.stack_update import (
     stack_direction,
     vector_work,
 )
-from lightning_dash.optim.validation import check_number
 
 
-class DASH(torch.optim.Optimizer):
+class DASH(DashStateDict):
     """Shampoo with batched block processing, batched inverse roots and grafting.
 
     Each parameter of two or more dimensions is viewed as a matrix, cut into
@@ -174,15 +172,8 @@ class DASH(torch.optim.Optimizer):
         """
         if isinstance(optimizer, DASH):
             return optimizer
-        factor_decay = check_number("factor_decay", overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY),
-                                    low=0.0, high=1.0)
-        allow_custom_step = overrides.pop("allow_custom_step", False)
-        group_settings, options = dash_group_settings(optimizer, factor_decay, allow_custom_step)
-        per_group = {key: check_option(key, overrides.pop(key)) for key in list(overrides) if key in GROUP_OPTIONS}
-        for group, settings in zip(optimizer.param_groups, group_settings):
-            group.update(settings)
-            group.update(per_group)
-        return cls(optimizer.param_groups, **{**options, **overrides})
+        groups, options = converted_groups(optimizer, overrides)
+        return cls(groups, **options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after training started); its hyperparameters are checked."""
@@ -195,41 +186,11 @@ class DASH(torch.optim.Optimizer):
             raise
 
     # ------------------------------------------------------------------ layout
-    def _flat_params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    def _param_names(self) -> list[str]:
-        names = []
-        for group_index, group in enumerate(self.param_groups):
-            given = group.get("param_names")
-            for position, param in enumerate(group["params"]):
-                names.append(str(given[position]) if given is not None
-                             else f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
-        return names
-
     def _current_layout(self) -> Layout:
         """The stacked state, built from ``self.state`` when there is none."""
-        if self._layout is not None:
-            return self._layout
-        params = self._flat_params()
-        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        saved = {}
-        for index, param in enumerate(params):
-            entry = self.state[param]
-            entry["step"] = torch.as_tensor(entry.get("step", 0.0), dtype=torch.float32, device="cpu")
-            saved[index] = entry
-        regions = matrix_regions(params, self.block_size)
-        frequencies = [self.param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
-        plans = self._distributor.plan_stacks(regions, params, frequencies)
-        self._layout = build_layout(
-            params, group_of, self._param_names(), saved, plans, self.block_size,
-            want_momentum=any(group["betas"][0] > 0 for group in self.param_groups),
-            want_second_moment=uses_second_moment(self.grafting),
-        )
-        for param in params:  # statistics now live in the stacks; only step counts stay here
-            step = self.state[param]["step"]
-            self.state[param].clear()
-            self.state[param]["step"] = step
+        if self._layout is None:
+            self._layout = stack_state(self.param_groups, self.state, self._distributor.plan_stacks, self.block_size,
+                                       want_second_moment=uses_second_moment(self.grafting))
         return self._layout
 
     def _retire_layout(self) -> None:
@@ -254,85 +215,6 @@ class DASH(torch.optim.Optimizer):
         failed, longest = count_root_failures(report, self._distributor, device)
         self.root_failure_count += failed
         raise_on_streak(report, layout.names, longest, self.max_consecutive_root_failures, self.root_settings.method)
-
-    # ------------------------------------------------------------------ state dict
-    def _local_state(self) -> dict[int, dict[str, Tensor]]:
-        """This process's statistics keyed by state-dict position (copies); the replicated
-        one-dimensional parameters come from rank 0 only."""
-        if self._layout is None:
-            return {}
-        positions = {id(p): i for i, p in enumerate(self._flat_params())}
-        exported = export_layout(self._layout, self.block_size, include_vectors=self._distributor.rank == 0)
-        return {positions[id(self._layout.params[index])]: entry for index, entry in exported.items()}
-
-    def consolidate_state_dict(self) -> None:
-        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
-
-        Collective: call it on every rank (Lightning's strategies do before saving).
-        """
-        self._settle_roots(collective=True)
-        if self._distributor.world_size == 1:
-            return
-        if self._layout is None and any(len(entry) > 1 for entry in self.state.values()):
-            # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
-            # every rank holds whole): stack them first, so each rank reports only its blocks.
-            self._current_layout()
-        local = {key: {name: value.cpu() for name, value in entry.items()} for key, entry in self._local_state().items()}
-        self._consolidated = self._distributor.gather_states(local)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
-
-        Every statistic, root, momentum and step count is a per-parameter copy. With
-        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
-        (on every rank); the complete state is then returned on rank 0. With
-        ``collective_state_dict`` set, this call consolidates by itself (every rank
-        must call it) and the other ranks get only the step counts.
-        """
-        self._settle_roots(collective=False)
-        sharded = self._distributor.world_size > 1
-        if sharded and self.collective_state_dict:
-            self.consolidate_state_dict()
-            if self._distributor.rank != 0:
-                return super().state_dict()
-        if sharded and self._consolidated is None:
-            raise RuntimeError(
-                "DASH state is sharded across ranks: call consolidate_state_dict() on every rank "
-                "first, then state_dict() on rank 0"
-            )
-        entries = self._consolidated if sharded else self._local_state()
-        self._consolidated = None
-        extra = {name: getattr(self, name) for name in COUNTERS}
-        return with_state(super().state_dict(), entries, {**extra, "grafting": self.grafting})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
-
-        Tensors keep their saved dtype (statistics stay float32 for low-precision
-        parameters); the stacks are rebuilt at the next step.
-        """
-        check_loadable(state_dict, self._flat_params(), self._param_names(), self.block_size)
-        self.roots.discard()
-        state_dict = dict(state_dict)
-        saved_state = state_dict.pop("state")
-        extra = state_dict.pop("dash", {})
-        self._layout = None
-        self._consolidated = None
-        super().load_state_dict({**state_dict, "state": {}})
-        self.state.clear()
-        self.state.update(restore_entries(saved_state, state_dict["param_groups"], self._flat_params()))
-        # torch.distributed.checkpoint keeps only "state" and "param_groups": without the
-        # "dash" entry the counters and grafting type stay as they are.
-        for name in COUNTERS:
-            setattr(self, name, int(extra.get(name, getattr(self, name))))
-        saved_grafting = extra.get("grafting", self.grafting)
-        if saved_grafting != self.grafting:
-            warnings.warn(
-                f"DASH.load_state_dict: the checkpoint's grafting={saved_grafting!r} replaces "
-                f"grafting={self.grafting!r} (the checkpoint wins, as after a GraftingSchedule switch)",
-                stacklevel=2,
-            )
-        self.grafting = saved_grafting
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -375,20 +257,21 @@ class DASH(torch.optim.Optimizer):
         """Compute every candidate, check it, and commit it (see :meth:`step`); returns
         whether the step was committed."""
         rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
-        due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], self.param_groups[layout.group_of[i]])
+        groups = self.param_groups
+        due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]])
                   for i in active)
         # Side-stream roots swap in before any statistics move (and before blocks are copied out).
         report = self.roots.begin_step(layout, due)
         vectors = [work for vector in layout.vectors
-                   if (work := vector_work(layout, vector, self.param_groups[vector.group_index], active, rules))]
+                   if (work := vector_work(layout, vector, groups[vector.group_index], active, rules))]
         positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
-        works = [work for stack in layout.stacks if (work := begin_stack(layout, stack, self.param_groups, active, rules))]
+        works = [work for stack in layout.stacks if (work := begin_stack(layout, stack, groups, active, rules))]
         report = self.roots.refresh(layout, works, due) or report
         if report is not None:
             self._count_failures(layout, report)
-        shared = self._distributor.share_updates([
-            BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules)) for work in works
-        ])
+        updates = [BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules))
+                   for work in works]
+        shared = self._distributor.share_updates(updates)
         checked = shared.tensors() + [work.update for work in vectors]
         if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
             self.nonfinite_update_skips += 1

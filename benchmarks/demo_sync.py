@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_dash import DASH, DeMo
 from lightning_dash.demos import TinyGPT, load_stdlib_corpus
 from lightning_dash.distributed import ProcessGroupDistributor
-from lightning_dash.distributed.demo import DemoSynchronizer
+from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dash  # noqa: F401
 from lightning_dash import DASH, DashStrategy
-from lightning_dash.distributed.demo import chunk_size_for
+from lightning_dash.distributed.dct_topk import chunk_size_for
 from test_strategy import assert_identical_across_ranks
 
 

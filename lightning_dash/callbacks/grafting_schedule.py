@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dash.optim.dash import DASH
+from lightning_dash.optim import DASH
 from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.validation import check_choice, check_int
 

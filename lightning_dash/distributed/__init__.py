@@ -9,9 +9,13 @@ from lightning_dash.distributed.assignment import (
     plan_parameter_ownership,
     round_robin_parameters,
 )
+from lightning_dash.distributed.demo_optimizer import DeMo
+from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, shard_across_ranks
 
 __all__ = [
+    "DeMo",
+    "DemoSynchronizer",
     "OwnershipPlan",
     "ProcessGroupDistributor",
     "block_cost",

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed import shard_across_ranks
-from lightning_dash.distributed.demo import DemoSynchronizer
+from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import (

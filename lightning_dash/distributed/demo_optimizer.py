@@ -3,11 +3,9 @@
 For comparison with DASH. Each step: decoupled weight decay ``p <- (1 - lr wd) p``,
 then ``s = synchronizer.synchronize(grads, keys)`` and ``p <- p - lr sign(s)``.
 
-Design note: ``lightning_dash.optim`` never imports ``lightning_dash.distributed``
-(which itself imports ``optim``). DeMo is the one optimizer that *is* a gradient
-synchronizer, so it accepts any object with a ``synchronize(grads, keys)`` method
-and only imports :class:`~lightning_dash.distributed.demo.DemoSynchronizer`
-lazily, inside ``__init__``, when it has to build the default one.
+DeMo is an optimizer whose step *is* a gradient synchronisation, so it lives with
+the communication code; it accepts any object with a ``synchronize(grads, keys)``
+method (default: a :class:`~lightning_dash.distributed.demo_synchronizer.DemoSynchronizer`).
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 
 SYNCHRONIZER_KEY = "demo_synchronizer"
 
@@ -33,7 +33,7 @@ class DeMo(torch.optim.Optimizer):
         lr: step size; every element with a non-zero synchronized value moves by exactly lr.
         weight_decay: decoupled, multiplicative ``p <- (1 - lr wd) p`` before the update.
         synchronizer: an object with ``synchronize(grads: list[Tensor], keys: list[int])
-            -> list[Tensor]`` (e.g. :class:`~lightning_dash.distributed.demo.DemoSynchronizer`);
+            -> list[Tensor]`` (e.g. :class:`~lightning_dash.distributed.demo_synchronizer.DemoSynchronizer`);
             None builds a ``DemoSynchronizer(topk, chunk_size, momentum)`` on the default group.
         topk, chunk_size, momentum: for the default synchronizer only.
 
@@ -55,9 +55,6 @@ class DeMo(torch.optim.Optimizer):
         _check_nonnegative("lr", lr)
         _check_nonnegative("weight_decay", weight_decay)
         if synchronizer is None:
-            # lazy: a module-level import would create an optim <-> distributed cycle
-            from lightning_dash.distributed.demo import DemoSynchronizer
-
             synchronizer = DemoSynchronizer(topk=topk, chunk_size=chunk_size, momentum=momentum)
         elif not callable(getattr(synchronizer, "synchronize", None)):
             raise ValueError("synchronizer must have a synchronize(grads, keys) method")

@@ -1,0 +1,112 @@
+"""What every inverse-root solver shares: settings, results, precision constants and
+small batched-matrix helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+INVERSE_ROOT_METHODS = ("eigh", "coupled_newton", "newton_db", "chebyshev")
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Unit roundoff of each matmul dtype.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+#: The Newton solvers lift every eigenvalue of the scaled input to at least this many
+#: units of roundoff of the matmul dtype. Each iteration perturbs near-null directions
+#: by about one unit of roundoff and then amplifies them ~2.25x; without the lift a
+#: rank-deficient factor drifts negative and diverges (seen in float32 at 20
+#: iterations, in bfloat16 and float16 at 10). Four units already sufficed in tests.
+NOISE_FLOOR_UNITS = 8.0
+
+#: Residual ``max|I - product|`` under which a block counts as converged, per matmul dtype.
+#: Each is a few units of roundoff of that dtype times the growth seen in practice.
+DEFAULT_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@dataclass(frozen=True)
+class RootResult:
+    """Roots of a stack and, for the Newton solvers, the last per-block residual."""
+
+    root: Tensor
+    residual: Optional[Tensor]
+
+
+@dataclass(frozen=True)
+class RootSettings:
+    """How inverse roots are computed; shared by every stack of one optimizer."""
+
+    method: str = "newton_db"
+    scaling: str = "power_iteration"
+    matmul_dtype: torch.dtype = torch.float32
+    iterations: Optional[int] = None
+    chebyshev_degree: int = 40
+    tolerance: Optional[float] = None
+    relative_epsilon: bool = False
+
+    def resolved_tolerance(self) -> float:
+        return DEFAULT_TOLERANCE[self.matmul_dtype] if self.tolerance is None else self.tolerance
+
+
+#: Largest relative error of any eigenvalue of a Newton root that is still accepted.
+MAX_ROOT_ERROR = 0.1
+
+
+def failure_residual(settings: RootSettings) -> float:
+    """Residual above which a Newton root counts as failed.
+
+    Both Newton solvers report ``max|I - P|`` for a product ``P`` whose eigenvalues
+    ``w`` tend to 1, and the root's eigenvalues are off by the factor ``w^(1/q)``:
+    ``q = 2`` for Newton-DB (each pass is an inverse square root), ``q = 4`` for the
+    coupled Newton iteration of ``A^(-1/4)``. A residual ``r`` thus allows an error of
+    ``1 - (1 - r)^(1/q)``; the threshold ``1 - (1 - MAX_ROOT_ERROR)^q`` (0.19 and 0.34)
+    accepts at most :data:`MAX_ROOT_ERROR`. It is never below four times the
+    convergence tolerance of the matmul dtype, the residual roundoff alone leaves.
+    """
+    order = 2 if settings.method == "newton_db" else 4
+    theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** order
+    return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_dtype])
+
+
+def noise_floor(dtype: torch.dtype) -> float:
+    """Smallest relative eigenvalue the Newton solvers work with in ``dtype`` (``8 u``)."""
+    return NOISE_FLOOR_UNITS * UNIT_ROUNDOFF[dtype]
+
+
+def spectral_upper_bound(scaling: str) -> float:
+    """Largest eigenvalue of ``A / s`` to plan for: 1 for the Frobenius bound; 1.5 for
+    power iteration, whose estimate may fall somewhat below the true largest eigenvalue."""
+    return 1.0 if scaling == "frobenius" else 1.5
+
+
+
+def identity_like(matrices: Tensor) -> Tensor:
+    n, size, _ = matrices.shape
+    return torch.eye(size, dtype=matrices.dtype, device=matrices.device).expand(n, size, size)
+
+
+def bmm(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    """Batched matmul with operands in ``dtype`` (or in the operands' own dtype when that
+    is wider, as for float64 stacks) and a result in the operands' dtype."""
+    if dtype == left.dtype or left.dtype == torch.float64:
+        return torch.bmm(left, right)
+    return torch.bmm(left.to(dtype), right.to(dtype)).to(left.dtype)
+
+
+def symmetrize(matrices: Tensor) -> Tensor:
+    return 0.5 * (matrices + matrices.transpose(1, 2))
+
+
+def add_diagonal(matrices: Tensor, values: Tensor) -> Tensor:
+    out = matrices.clone()
+    out.diagonal(dim1=1, dim2=2).add_(values.unsqueeze(1))
+    return out
+
+
+def freeze(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    return torch.where(active[:, None, None], new, old)
+
+

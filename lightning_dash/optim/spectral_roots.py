@@ -1,0 +1,111 @@
+"""Spectrum-based inverse roots: the eigendecomposition (reference quality, with a
+roundoff-aware null space) and a Chebyshev interpolant evaluated by Clenshaw's recurrence."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.root_common import (
+    RootSettings,
+    UNIT_ROUNDOFF,
+    bmm,
+    identity_like,
+    spectral_upper_bound,
+    symmetrize,
+)
+
+def chebyshev_floor(degree: int, tolerance: float = 1e-3) -> float:
+    """Smallest relative eigenvalue for which a degree-``degree`` interpolant is accurate.
+
+    For ``x^(-1/p)`` on ``[lo, 1]`` the interpolation error decays like
+    ``exp(-2 degree sqrt(lo))``; this returns the ``lo`` where that reaches ``tolerance``.
+    """
+    return (math.log(1.0 / tolerance) / (2.0 * degree)) ** 2
+
+
+def chebyshev(
+    matrices: Tensor, relative_eps: Tensor, root: int, settings: RootSettings
+) -> Tensor:
+    """Clenshaw evaluation of the Chebyshev interpolant of ``x^(-1/p)`` on ``[low, high]``.
+
+    ``matrices`` has its spectrum in ``[relative_eps, ~1]``. ``low`` is the larger of
+    ``relative_eps`` and :func:`chebyshev_floor`: eigenvalues below it are
+    extrapolated, which stays bounded (about 1.5 ``low^(-1/p)``) and acts as extra
+    damping; the root is accurate to the formula only where the spectrum (damping
+    included) lies above the floor, i.e. for ``epsilon`` of at least about the floor
+    times the scale. Extrapolating above ``high`` grows without bound, so ``high``
+    covers the scale's uncertainty: 1 for the Frobenius bound, 1.5 for power iteration.
+    """
+    degree, dtype = settings.chebyshev_degree, settings.matmul_dtype
+    low = relative_eps.double().clamp_min(chebyshev_floor(degree))
+    high = spectral_upper_bound(settings.scaling)
+    nodes = torch.arange(degree + 1, device=matrices.device, dtype=torch.float64)
+    angles = math.pi * (nodes + 0.5) / (degree + 1)
+    mid, half = (high + low) / 2, (high - low) / 2
+    points = mid[:, None] + half[:, None] * torch.cos(angles)[None, :]
+    values = points.pow(-1.0 / root)
+    basis = torch.cos(nodes[:, None] * angles[None, :])
+    coefficients = (2.0 / (degree + 1)) * values @ basis.T
+    coefficients[:, 0] *= 0.5
+    coefficients = coefficients.to(matrices.dtype)
+
+    identity = identity_like(matrices)
+    mapped = (matrices - mid.to(matrices.dtype)[:, None, None] * identity) / half.to(matrices.dtype)[:, None, None]
+    following = torch.zeros_like(matrices)
+    current = coefficients[:, degree, None, None] * identity
+    for k in range(degree - 1, 0, -1):
+        following, current = current, (
+            2.0 * bmm(mapped, current, dtype) - following + coefficients[:, k, None, None] * identity
+        )
+    result = bmm(mapped, current, dtype) - following + coefficients[:, 0, None, None] * identity
+    return symmetrize(result)
+
+
+#: ``eigh`` treats eigenvalues below this many units of roundoff of the statistics' dtype,
+#: relative to the block's largest eigenvalue, as exactly zero (see :func:`eigh`).
+NULL_SPACE_UNITS = 16.0
+
+
+def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
+    """Exact roots from ``eigh``, with the near-null space of a rank-deficient block
+    treated as exactly null (as a pseudo-inverse does).
+
+    Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff times the block's
+    largest eigenvalue (about 1e-6 of it in float32) are roundoff, not statistics: a
+    rank-12 factor of a 20 x 20 block has eight such eigenvalues of either sign, and
+    their values differ between two runs whose gradients differ by roundoff. Set to
+    zero before ``eps`` is added, they get the root of ``eps`` alone in every run, as
+    the exact (float64) factor's null space would, so roundoff in the gradients is not
+    amplified by ``eps^(-1/4)``.
+
+    A stack whose decomposition raises, or blocks whose roots come out non-finite,
+    are recomputed in float64; a stack whose float64 decomposition raises too comes
+    back as NaN, which the optimizer rejects and counts as failed. This check reads
+    one flag back to the host.
+    """
+
+    def roots_from(symmetric: Tensor, block_eps: Tensor) -> Tensor:
+        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+        noise = NULL_SPACE_UNITS * UNIT_ROUNDOFF[matrices.dtype] * eigenvalues[:, -1:].clamp_min(0.0)
+        eigenvalues = torch.where(eigenvalues > noise, eigenvalues, torch.zeros_like(eigenvalues))
+        scaled = (eigenvalues + block_eps[:, None]).pow(-1.0 / root)
+        return (eigenvectors * scaled.unsqueeze(1)) @ eigenvectors.transpose(1, 2)
+
+    def in_float64(symmetric: Tensor, block_eps: Tensor) -> Tensor:
+        try:
+            return roots_from(symmetric.double(), block_eps.double()).to(matrices.dtype)
+        except RuntimeError:  # torch.linalg.LinAlgError: not even float64 converged
+            return torch.full_like(symmetric, math.nan)
+
+    symmetric = symmetrize(matrices)
+    try:
+        result = roots_from(symmetric, eps)
+    except RuntimeError:
+        return in_float64(symmetric, eps)
+    bad = ~torch.isfinite(result).all(dim=(1, 2))
+    if bool(bad.any()):
+        result[bad] = in_float64(symmetric[bad], eps[bad])
+    return result

@@ -1,0 +1,91 @@
+"""The package's structure: what imports what, what works with torch alone, and sizes.
+
+These are structural facts of the source tree (exact, not timings): the optimizer
+package never reaches into communication or trainer code, a plain PyTorch user needs
+neither Lightning nor Composer, and no module or class grows past what one reader holds.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "lightning_dash"
+TRAINERS = ("lightning", "lightning_fabric", "pytorch_lightning", "composer")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (lazy imports included)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+    return modules
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "optim").glob("*.py")), ids=lambda p: p.name)
+def test_optim_imports_neither_communication_nor_trainers(path):
+    forbidden = [m for m in imported_modules(path)
+                 if m.startswith("lightning_dash.") and not m.startswith("lightning_dash.optim")
+                 or m.split(".")[0] in TRAINERS or m.startswith("torch.distributed")]
+    assert not forbidden, f"{path.name} imports {forbidden}"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "distributed").glob("*.py")), ids=lambda p: p.name)
+def test_distributed_imports_no_trainer(path):
+    forbidden = [m for m in imported_modules(path) if m.split(".")[0] in TRAINERS
+                 or m.startswith(("lightning_dash.strategies", "lightning_dash.callbacks", "lightning_dash.composer"))]
+    assert not forbidden, f"{path.name} imports {forbidden}"
+
+
+def test_dash_trains_with_torch_alone():
+    """With every trainer package made unimportable, the optimizer imports and trains, and
+    no trainer module was loaded on the way."""
+    script = textwrap.dedent(f"""
+        import importlib.abc, importlib.util, sys
+        BLOCKED = {TRAINERS!r}
+        real_find_spec = importlib.util.find_spec
+        def find_spec(name, *args):
+            return None if name.split(".")[0] in BLOCKED else real_find_spec(name, *args)
+        importlib.util.find_spec = find_spec
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)")
+                return None
+        sys.meta_path.insert(0, Block())
+
+        import torch
+        from lightning_dash import DASH, DashConfig
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        optimizer = DASH(model.parameters(), config=DashConfig(lr=0.01, block_size=4))
+        for step in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(5, 6)).square().mean().backward()
+            optimizer.step()
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        print("ok", optimizer.owned_blocks)
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "6"]  # 8x6 -> 2x2 tiles of 4, 2x8 -> 1x2
+
+
+def test_no_module_over_400_lines_and_no_class_over_300():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            too_long.append(f"{path.relative_to(PACKAGE)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                too_long.append(f"{path.relative_to(PACKAGE)}: class {node.name} {node.end_lineno - node.lineno + 1}")
+    assert not too_long, too_long

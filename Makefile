@@ -1,4 +1,4 @@
-# Two entry points: `make demo` runs the main job, `make test` runs the test suite.
+# Entry points: `make demo` runs the main job, `make test` runs the test suite, `make lint` runs ruff.
 # Each creates its virtual environments on first use: .venv (newest torch, Lightning)
 # and, for the Composer tests, .venv-composer (Composer pins torch < 2.7.1).
 PYTHON ?= python3
@@ -8,13 +8,13 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 CPY := $(COMPOSER_VENV)/bin/python
 
-.PHONY: demo test test-lightning test-composer bench clean
+.PHONY: demo test test-lightning test-composer lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	$(PY) -m pip install --quiet -e ".[lightning,dev,bench]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 $(COMPOSER_VENV)/.installed: pyproject.toml
 	test -x $(CPY) || $(PYTHON) -m venv $(COMPOSER_VENV)
 	$(CPY) -m pip install --quiet --upgrade pip
-	$(CPY) -m pip install --quiet -e ".[composer,dev]"
+	$(CPY) -m pip install --quiet -e ".[composer,lightning,dev]"
 	touch $@
 
 test: test-lightning test-composer
@@ -33,6 +33,10 @@ test-lightning: $(VENV)/.installed
 
 test-composer: $(COMPOSER_VENV)/.installed
 	$(CPY) -m pytest -q tests/with_composer
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solvers.py

@@ -25,18 +25,20 @@ asynchronous DASH is the synchronous path); it writes a file only with ``--outpu
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, build_optimizer, markdown_table, synchronize, write_json
+
 from lightning_dash import DASH
 from lightning_dash.demos import TinyGPT
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -65,18 +67,14 @@ class Record:
     step_ms: float
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_optimizer(kind: str, model: torch.nn.Module, frequency: Optional[int], config: Config,
-                    args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, model: torch.nn.Module, frequency: Optional[int], config: Config,
+                   args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+    """``adamw`` or ``dash_sync`` / ``dash_async`` with the shared lr, betas and weight decay."""
+    options = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
     if kind == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                 fused=device.type == "cuda")
-    return DASH(
-        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, block_size=config.block_size,
+        return build_optimizer("adamw", model.parameters(), **options, fused=device.type == "cuda")
+    return build_optimizer(
+        "dash", model.parameters(), **options, block_size=config.block_size,
         precondition_frequency=frequency, inverse_root_method=args.inverse_root_method,
         matmul_dtype=args.matmul_dtype, async_preconditioning=kind == "dash_async",
         max_staleness=args.max_staleness,
@@ -89,7 +87,7 @@ def measure(kind: str, frequency: Optional[int], config: Config, args: argparse.
     torch.manual_seed(0)
     model = TinyGPT(context=config.context, width=config.width, depth=config.depth, heads=config.heads,
                     vocab=config.vocab).to(device)
-    optimizer = build_optimizer(kind, model, frequency, config, args, device)
+    optimizer = make_optimizer(kind, model, frequency, config, args, device)
     generator = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, config.vocab, (config.batch_size, config.context + 1), device=device,
                            generator=generator)
@@ -118,11 +116,9 @@ def measure(kind: str, frequency: Optional[int], config: Config, args: argparse.
 
 def print_table(records: list[Record]) -> None:
     adamw = next(r.step_ms for r in records if r.optimizer == "adamw")
-    print("\n| optimizer | precondition_frequency | step ms | ratio to AdamW |")
-    print("| --- | --- | --- | --- |")
-    for record in records:
-        frequency = "-" if record.precondition_frequency is None else record.precondition_frequency
-        print(f"| {record.optimizer} | {frequency} | {record.step_ms:.2f} | {record.step_ms / adamw:.3f} |")
+    rows = [[r.optimizer, "-" if r.precondition_frequency is None else r.precondition_frequency,
+             f"{r.step_ms:.2f}", f"{r.step_ms / adamw:.3f}"] for r in records]
+    print("\n" + markdown_table(["optimizer", "precondition_frequency", "step ms", "ratio to AdamW"], rows))
 
 
 def main(argv: Optional[list[str]] = None) -> list[Record]:
@@ -168,11 +164,9 @@ def main(argv: Optional[list[str]] = None) -> list[Record]:
 
     output = args.output
     if output is None and not args.smoke:
-        output = RESULTS / f"async_overlap_{device.type}.json"
+        output = RESULTS_DIR / f"async_overlap_{device.type}.json"
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
-        print(f"\nwrote {output}")
+        print(f"\nwrote {write_json(output, records)}")
     return records
 
 

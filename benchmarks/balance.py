@@ -27,9 +27,13 @@ The table is printed and written as a JSON list of records to
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed import (
     block_cost,
@@ -39,7 +43,7 @@ from lightning_dash.distributed import (
     round_robin_parameters,
 )
 
-RESULTS_PATH = Path(__file__).parent / "results" / "balance.json"
+RESULTS_PATH = RESULTS_DIR / "balance.json"
 HEAD_DIM = 128
 
 
@@ -131,9 +135,7 @@ def print_table(records: list[Record]) -> None:
         [f"{value:.3f}" if isinstance(value, float) else str(value) for value in asdict(record).values()]
         for record in records
     ]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print(format_columns(header, rows))
 
 
 def main() -> None:
@@ -143,9 +145,7 @@ def main() -> None:
         per_param = parameter_block_costs(param_shapes(config), args.block_size)
         records.extend(measure(model, per_param, world_size) for world_size in args.world_sizes)
     print_table(records)
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps([asdict(record) for record in records], indent=2) + "\n")
-    print(f"\nwrote {RESULTS_PATH}")
+    print(f"\nwrote {write_json(RESULTS_PATH, records)}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ Run from the repository root (the CPU default, 18 runs, took 12 minutes on 2 cor
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -63,18 +62,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import device_label, resolve_device, synchronize
+from common import (
+    OPTIMIZERS,
+    RESULTS_DIR,
+    build_optimizer,
+    device_label,
+    format_columns,
+    resolve_device,
+    synchronize,
+    validation_loss,
+    warmup_cosine,
+    write_json,
+)
 
-from lightning_dash import DASH, RootComputationError
+from lightning_dash import RootComputationError
 from lightning_dash.demos import ByteCorpus, TinyGPT, load_stdlib_corpus
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-OPTIMIZERS = ("adamw", "dash")
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
 DASH_BLOCK_SIZE = 256
 DASH_FREQUENCY = 10
-VALIDATION_SEED = 1
 
 
 @dataclass(frozen=True)
@@ -141,38 +148,19 @@ class Record:
 
 
 # ---------------------------------------------------------------------- training
-def build_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def hyperparameters(name: str, lr: float) -> dict:
+    """The options every run of optimizer ``name`` is built with (see the module docstring)."""
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        return dict(lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     if name == "dash":
-        return DASH(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, grafting_beta2=BETAS[1],
+        return dict(lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, grafting_beta2=BETAS[1],
                     block_size=DASH_BLOCK_SIZE, precondition_frequency=DASH_FREQUENCY)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
-    """Learning-rate factor after ``step`` scheduler steps: linear warm-up, then cosine to zero."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def validation_loss(model: TinyGPT, corpus: ByteCorpus, settings: Settings, device: torch.device) -> float:
+def evaluate(model: TinyGPT, corpus: ByteCorpus, settings: Settings) -> float:
     """Mean loss over fixed validation batches (the same for every run)."""
-    generator = torch.Generator().manual_seed(VALIDATION_SEED)
-    model.eval()
-    with torch.no_grad():
-        losses = []
-        for _ in range(settings.eval_batches):
-            tokens, targets = corpus.batch("validation", settings.batch_size, settings.context, generator)
-            losses.append(model.loss(tokens.to(device), targets.to(device)).item())
-    model.train()
-    return sum(losses) / len(losses)
+    return validation_loss(model, corpus, settings.batch_size, settings.context, settings.eval_batches)
 
 
 def train_run(
@@ -180,14 +168,17 @@ def train_run(
     build: Callable[[str, torch.nn.Module, float], torch.optim.Optimizer] | None = None,
 ) -> Run:
     """Train one model; evaluate at step 0, every ``eval_every`` steps and at the end.
-    ``build(name, model, lr)`` makes the optimizer (default :func:`build_optimizer`)."""
+    ``build(name, model, lr)`` makes the optimizer (default: :func:`hyperparameters`)."""
     torch.manual_seed(seed)
     model = TinyGPT(context=settings.context, width=settings.width, depth=settings.depth,
                     heads=settings.heads).to(device)
-    optimizer = (build or build_optimizer)(optimizer_name, model, lr)
+    if build is None:
+        optimizer = build_optimizer(optimizer_name, model.parameters(), **hyperparameters(optimizer_name, lr))
+    else:
+        optimizer = build(optimizer_name, model, lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup, settings.steps))
     data_order = torch.Generator().manual_seed(seed)
-    curve = [Point(0, 0.0, validation_loss(model, corpus, settings, device))]
+    curve = [Point(0, 0.0, evaluate(model, corpus, settings))]
     trained_s, failed, step_s = 0.0, False, []
     for step in range(1, settings.steps + 1):
         if not failed:
@@ -206,7 +197,7 @@ def train_run(
             step_s.append(time.perf_counter() - start)
             trained_s += step_s[-1]
         if step % settings.eval_every == 0 or step == settings.steps:
-            loss = math.nan if failed else validation_loss(model, corpus, settings, device)
+            loss = math.nan if failed else evaluate(model, corpus, settings)
             curve.append(Point(step, trained_s, loss))
     return Run(optimizer_name, lr, seed, curve, robust_step_ms(step_s))
 
@@ -339,8 +330,7 @@ def format_table(records: list[Record], best: dict[str, float]) -> str:
             " ".join("-" if r.steps_to_adamw_final is None else str(r.steps_to_adamw_final) for r in group),
             f"{statistics.mean(r.wall_s for r in group):.1f}",
         ])
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [header, *rows])
+    return format_columns(header, rows)
 
 
 def curves_json(runs: list[Run], device_name: str) -> list[dict]:
@@ -390,12 +380,10 @@ def plot(runs: list[Run], best: dict[str, float], path: Path, title: str) -> Non
 
 
 def write_outputs(runs: list[Run], records: list[Record], out_dir: Path, device_name: str, title: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records_path = out_dir / f"convergence_{device_name}.json"
-    curves_path = out_dir / f"convergence_curves_{device_name}.json"
+    records_path = write_json(out_dir / f"convergence_{device_name}.json", records)
+    curves_path = write_json(out_dir / f"convergence_curves_{device_name}.json", curves_json(runs, device_name),
+                             indent=1)
     png_path = out_dir / f"convergence_{device_name}.png"
-    records_path.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
-    curves_path.write_text(json.dumps(curves_json(runs, device_name), indent=1) + "\n")
     plot(runs, best_lrs(runs), png_path, title)
     return [records_path, curves_path, png_path]
 

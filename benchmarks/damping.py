@@ -34,7 +34,6 @@ Run from the repository root (each candidate takes 3 runs of 2-4 minutes on 2 CP
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,13 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence import BETAS, WEIGHT_DECAY, Settings, train_run
-from step_time import device_label, resolve_device
+from common import RESULTS_DIR, build_optimizer, device_label, markdown_table, resolve_device, write_json
+from convergence import Settings, hyperparameters, train_run
 
 from lightning_dash import DASH
 from lightning_dash.demos import load_stdlib_corpus
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAIN_JOB_LR = 1.2e-2
 
 
@@ -130,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     for seed in args.seeds:  # interleaved: every candidate once per seed, in turn
         for candidate in candidates:
             def build(name, model, lr, candidate=candidate):
-                optimizer = DASH(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY,
-                                 grafting_beta2=BETAS[1], block_size=256, precondition_frequency=10,
-                                 **candidate.options())
+                # convergence.py's DASH (block 256, roots every 10 steps) with the candidate's damping
+                optimizer = build_optimizer(name, model.parameters(), **hyperparameters(name, lr),
+                                            **candidate.options())
                 failures[(candidate, seed)] = optimizer
                 return optimizer
 
@@ -152,16 +150,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         records.append(record)
     print(f"\n{len(candidates) * len(args.seeds)} runs in {time.perf_counter() - start:.0f} s\n")
-    print("| damping | val loss (mean; per seed) | roundoff sensitivity f=1 / f=10 | root failures |")
-    print("|---|---|---|---|")
+    rows = []
     for record in records:
         per_seed = ", ".join(f"{v:.4f}" for v in record["val_loss"])
-        print(f"| {record['label']} | {record['val_loss_mean']:.4f} ({per_seed}) | "
-              f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e} | {record['root_failures']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
+        rows.append([record["label"], f"{record['val_loss_mean']:.4f} ({per_seed})",
+                     f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e}", record["root_failures"]])
+    print(markdown_table(["damping", "val loss (mean; per seed)", "roundoff sensitivity f=1 / f=10", "root failures"],
+                         rows))
     path = args.out / f"damping_{device_label(device)}{'_' + args.tag if args.tag else ''}.json"
-    path.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_json(path, records, indent=1)}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,39 +33,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dash import DASH, DeMo
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, build_optimizer, validation_loss, write_json
+
+from lightning_dash import DeMo
 from lightning_dash.demos import TinyGPT, load_stdlib_corpus
 from lightning_dash.distributed import ProcessGroupDistributor
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORLD_SIZE = 2
 CONTEXT = 64
 BATCH_PER_RANK = 16
 LEARNING_RATES = {"ddp_adamw": 3e-3, "ddp_dash": 3e-3, "demo_dash": 3e-3, "demo": 1e-3}
 
 
-def validation_loss(model: TinyGPT, corpus) -> float:
-    generator = torch.Generator().manual_seed(1)
-    model.eval()
-    with torch.no_grad():
-        losses = [model.loss(*corpus.batch("validation", 32, CONTEXT, generator)).item() for _ in range(8)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def build_optimizer(mode: str, model: TinyGPT, topk: int, momentum: float):
+def make_optimizer(mode: str, model: TinyGPT, topk: int, momentum: float):
     lr = LEARNING_RATES[mode]
     if mode == "ddp_adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        return build_optimizer("adamw", model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     if mode == "demo":
         return DeMo(model.parameters(), lr=lr, topk=topk, momentum=momentum)
     # With DeMo the error-feedback accumulator is the momentum; DASH adds none on top
     # (as DashStrategy(gradient_sync="demo") does).
     momentum = 0.0 if mode == "demo_dash" else 0.9
-    return DASH(model.parameters(), lr=lr, betas=(momentum, 0.95), weight_decay=0.01, block_size=256,
-                precondition_frequency=10, distributor=ProcessGroupDistributor())
+    return build_optimizer("dash", model.parameters(), lr=lr, betas=(momentum, 0.95), weight_decay=0.01,
+                           block_size=256, precondition_frequency=10, distributor=ProcessGroupDistributor())
 
 
 def train(rank: int, mode: str, steps: int, topk: int, momentum: float, init_file: str, out_file: str) -> None:
@@ -77,7 +72,7 @@ def train(rank: int, mode: str, steps: int, topk: int, momentum: float, init_fil
     stats = CommStats()
     local = mode in ("demo_dash", "demo")
     ddp.register_comm_hook(stats, local_gradient_hook if local else counting_allreduce_hook)
-    optimizer = build_optimizer(mode, model, topk, momentum)
+    optimizer = make_optimizer(mode, model, topk, momentum)
     synchronizer = DemoSynchronizer(topk=topk, momentum=momentum) if mode == "demo_dash" else None
     generator = torch.Generator().manual_seed(1000 + rank)
     for _ in range(steps):
@@ -103,7 +98,7 @@ def train(rank: int, mode: str, steps: int, topk: int, momentum: float, init_fil
             "steps": steps,
             "topk": topk if local else None,
             "demo_momentum": momentum if local else None,
-            "final_loss": validation_loss(model, corpus),
+            "final_loss": validation_loss(model, corpus, 32, CONTEXT, 8),
             "bytes_sent_per_step": per_step["bytes_sent_per_step"],
             "bytes_received_per_step": per_step["bytes_received_per_step"],
         }
@@ -134,10 +129,7 @@ def main() -> None:
         topk = "-" if record["topk"] is None else record["topk"]
         print(f"{record['mode']:>10} {topk:>5} {record['final_loss']:>10.4f} {record['bytes_sent_per_step']:>12.0f} "
               f"{record['bytes_received_per_step']:>12.0f} {ratio:>10.1f}x")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "demo_sync_cpu.json"
-    path.write_text(json.dumps(records, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_json(RESULTS_DIR / 'demo_sync_cpu.json', records)}")
 
 
 if __name__ == "__main__":

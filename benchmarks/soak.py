@@ -22,24 +22,30 @@ Run from the repository root (the default, 10 runs of 10,000 steps, took about
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence import warmup_cosine
-from step_time import device_label, resolve_device
+from common import (
+    RESULTS_DIR,
+    build_optimizer,
+    device_label,
+    markdown_table,
+    resolve_device,
+    validation_loss,
+    warmup_cosine,
+    write_json,
+)
 
 from lightning_dash import DASH
 from lightning_dash.demos import ByteCorpus, TinyGPT, load_stdlib_corpus
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SPIKE = 1e12
 #: (solver, matmul dtype) pairs; eigh has no matmul dtype of its own.
 CONFIGURATIONS = [("eigh", "float32")] + [
@@ -78,23 +84,15 @@ def loss_factor(step: int, spike_every: int) -> float:
     return 1.0
 
 
-def validation_loss(model: TinyGPT, corpus: ByteCorpus, context: int) -> float:
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        losses = [model.loss(*corpus.batch("validation", 32, context, generator)).item() for _ in range(8)]
-    return sum(losses) / len(losses)
-
-
 def soak(name: str, solver: str | None, matmul_dtype: str | None, args: argparse.Namespace,
          corpus: ByteCorpus, device: torch.device) -> SoakResult:
     torch.manual_seed(0)
     model = TinyGPT(context=args.context, width=args.width, depth=args.depth, heads=2).to(device)
-    if name == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
-    else:
-        optimizer = DASH(model.parameters(), lr=args.lr, betas=(0.9, 0.95), block_size=args.block_size,
-                         precondition_frequency=10, inverse_root_method=solver, matmul_dtype=matmul_dtype,
-                         max_consecutive_root_failures=None)
+    options = {"lr": args.lr, "betas": (0.9, 0.95)}
+    if name == "dash":
+        options.update(block_size=args.block_size, precondition_frequency=10, inverse_root_method=solver,
+                       matmul_dtype=matmul_dtype, max_consecutive_root_failures=None)
+    optimizer = build_optimizer(name, model.parameters(), **options)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps // 50, args.steps))
     data = torch.Generator().manual_seed(0)
     nonfinite, spikes, bad, residual = 0, 0, 0, None
@@ -112,7 +110,7 @@ def soak(name: str, solver: str | None, matmul_dtype: str | None, args: argparse
             residual = max(residual or 0.0, float(optimizer.last_root_residual))
         nonfinite += not all(bool(torch.isfinite(p).all()) for p in model.parameters())
     wall = time.perf_counter() - start
-    final = validation_loss(model, corpus, args.context) if nonfinite == 0 else math.nan
+    final = validation_loss(model, corpus, 32, args.context, 8, eval_mode=False) if nonfinite == 0 else math.nan
     dash = optimizer if isinstance(optimizer, DASH) else None
     return SoakResult(
         device=device_label(device), optimizer=name, solver=solver, matmul_dtype=matmul_dtype, steps=args.steps,
@@ -158,19 +156,16 @@ def main(argv: list[str] | None = None) -> list[SoakResult]:
     for result in results:
         if eigh is not None and math.isfinite(result.final_val_loss):
             result.val_loss_vs_eigh = result.final_val_loss - eigh.final_val_loss
-    print("\n| optimizer | solver | matmul dtype | non-finite steps | root failures | skipped (grad / update) "
-          "| max residual | final val loss | vs fp32 eigh |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        residual = "-" if r.max_root_residual is None else f"{r.max_root_residual:.1e}"
-        versus = "-" if r.val_loss_vs_eigh is None else f"{r.val_loss_vs_eigh:+.4f}"
-        print(f"| {r.optimizer} | {r.solver or '-'} | {r.matmul_dtype or '-'} | {r.nonfinite_parameter_steps} | "
-              f"{r.root_failures} | {r.nonfinite_grad_skips} / {r.nonfinite_update_skips} | {residual} | "
-              f"{r.final_val_loss:.4f} | {versus} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"soak_{device_label(device)}.json"
-    path.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
-    print(f"wrote {path}")
+    rows = [
+        [r.optimizer, r.solver or "-", r.matmul_dtype or "-", r.nonfinite_parameter_steps, r.root_failures,
+         f"{r.nonfinite_grad_skips} / {r.nonfinite_update_skips}",
+         "-" if r.max_root_residual is None else f"{r.max_root_residual:.1e}", f"{r.final_val_loss:.4f}",
+         "-" if r.val_loss_vs_eigh is None else f"{r.val_loss_vs_eigh:+.4f}"]
+        for r in results
+    ]
+    print("\n" + markdown_table(["optimizer", "solver", "matmul dtype", "non-finite steps", "root failures",
+                                 "skipped (grad / update)", "max residual", "final val loss", "vs fp32 eigh"], rows))
+    print(f"wrote {write_json(args.out / f'soak_{device_label(device)}.json', results, indent=1)}")
     return results
 
 

@@ -35,9 +35,9 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +45,10 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, format_columns, synchronize, write_json
 
 from lightning_dash.optim.roots import (
     INVERSE_ROOT_METHODS,
@@ -65,7 +69,6 @@ SCALINGS = ("power_iteration", "frobenius")
 MAX_REPETITIONS = 5
 MIN_REPETITIONS = 1
 TIMING_BUDGET_S = 1.0
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 T = TypeVar("T")
 
@@ -161,11 +164,6 @@ def make_problem(num_blocks: int, size: int, relative_eps: float, device: torch.
     )
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(run: Callable[[], T], device: torch.device) -> tuple[float, T]:
     """Wall time of one call of ``run`` in seconds, and its output."""
     synchronize(device)
@@ -258,16 +256,7 @@ def format_row(record: Record) -> list[str]:
 def print_table(records: list[Record]) -> None:
     header = [key for key, _ in COLUMNS]
     rows = [format_row(record) for record in records]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
-
-
-def write_json(records: list[Record], device: torch.device) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"solvers_{device.type}.json"
-    path.write_text(json.dumps([asdict(record) for record in records], indent=2) + "\n")
-    return path
+    print(format_columns(header, rows))
 
 
 def main() -> None:
@@ -283,7 +272,7 @@ def main() -> None:
                 measure(problem, relative_eps, settings, device_name) for settings in solver_settings(args.dtypes)
             )
     print_table(records)
-    print(f"\nwrote {write_json(records, device)}")
+    print(f"\nwrote {write_json(RESULTS_DIR / f'solvers_{device.type}.json', records)}")
 
 
 if __name__ == "__main__":

@@ -52,14 +52,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import math
 import random
-import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,11 +65,10 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import RESULTS_DIR, build_optimizer, device_label, format_columns, resolve_device, synchronize, write_json
 
-from lightning_dash import DASH
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LR = 1e-4
 SEED = 0
 #: pytorch_optimizer's Shampoo keeps a full ``d x d`` factor per dimension and takes its SVD.
@@ -132,39 +129,6 @@ class Case:
     skipped: str | None = None
 
 
-# ---------------------------------------------------------------------- devices
-def resolve_device(name: str | None) -> torch.device:
-    """The requested device, or CUDA when available, else the CPU."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def device_label(device: torch.device) -> str:
-    """``cpu`` or a short GPU name from ``torch.cuda.get_device_name`` (``h100``, ``a100``, ...)."""
-    if device.type != "cuda":
-        return device.type
-    return short_gpu_name(torch.cuda.get_device_name(device))
-
-
-def short_gpu_name(full_name: str) -> str:
-    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx4090"``."""
-    vendor_words = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
-    words = [w for w in re.split(r"\s+", full_name.lower()) if w and w not in vendor_words]
-    kept = []
-    for word in words:
-        kept.append(word.split("-")[0])
-        if any(ch.isdigit() for ch in word):
-            break
-    label = re.sub(r"[^a-z0-9]", "", "".join(kept))
-    return label or "cuda"
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ---------------------------------------------------------------------- shapes
 def gpt_parameter_shapes(shape: GPTShape) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of a GPT-2-style model's parameters (output head tied to ``wte``)."""
@@ -219,9 +183,9 @@ def set_gradients(params: list[Tensor], grads: list[Tensor]) -> None:
 def build_adamw(params: list[Tensor]) -> torch.optim.Optimizer:
     """AdamW, fused where this torch supports it on the parameters' device."""
     try:
-        return torch.optim.AdamW(params, lr=LR, fused=True)
+        return build_optimizer("adamw", params, lr=LR, fused=True)
     except (RuntimeError, ValueError):
-        return torch.optim.AdamW(params, lr=LR, foreach=True)
+        return build_optimizer("adamw", params, lr=LR, foreach=True)
 
 
 def adamw_kind(device: torch.device) -> str:
@@ -232,8 +196,8 @@ def adamw_kind(device: torch.device) -> str:
 
 def dash_case(solver: str, dtype: str, block_size: int, frequency: int = 1) -> Case:
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        return DASH(
-            params, lr=LR, block_size=block_size, precondition_frequency=frequency,
+        return build_optimizer(
+            "dash", params, lr=LR, block_size=block_size, precondition_frequency=frequency,
             inverse_root_method=solver, matmul_dtype=getattr(torch, dtype),
         )
 
@@ -243,8 +207,8 @@ def dash_case(solver: str, dtype: str, block_size: int, frequency: int = 1) -> C
 
 def loop_case(solver: str, dtype: str, block_size: int, rounds: int | None) -> Case:
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
-        # Imported here: scripts that reuse this module's helpers (damping.py against an
-        # older checkout) need not import the loop, which follows today's DASH.
+        # Imported here: a run against an older checkout (compare_revisions.py) with
+        # --no-loop need not import the loop, which follows today's DASH internals.
         from _shampoo_loop import ShampooLoop
 
         return ShampooLoop(
@@ -417,16 +381,11 @@ def format_table(records: list[Record], spreads: list[float] | None = None) -> s
             "-" if record.block_size is None else str(record.block_size), f"{record.step_ms:.1f}",
             "-" if vs_adamw is None else f"{vs_adamw:.1f}", "-" if speedup is None else f"{speedup:.2f}",
         ] + ([f"{spreads[index]:.2f}"] if spreads is not None else []))
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
-    return "\n".join(lines)
+    return format_columns(header, rows)
 
 
 def write_records(records: list[Record], out_dir: Path, device_name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"step_time_{device_name}.json"
-    path.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
-    return path
+    return write_json(out_dir / f"step_time_{device_name}.json", records)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Quick checks of benchmarks/step_time.py and benchmarks/convergence.py (nothing is timed).
+"""Quick checks of the benchmark scripts and their shared helpers (nothing is timed).
 
 The per-block loop baseline must compute DASH's update, or the step-time
 comparison is not fair; the record builders must emit exactly the documented
@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import common
 import convergence
 import step_time
 from _shampoo_loop import ShampooLoop, block_slices
@@ -107,11 +108,11 @@ def test_step_time_records_have_the_documented_layout(tmp_path):
 
 
 def test_gpu_labels():
-    assert step_time.short_gpu_name("NVIDIA H100 80GB HBM3") == "h100"
-    assert step_time.short_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
-    assert step_time.short_gpu_name("NVIDIA GeForce RTX 4090") == "rtx4090"
-    assert step_time.short_gpu_name("NVIDIA H200") == "h200"
-    assert step_time.device_label(torch.device("cpu")) == "cpu"
+    assert common.short_gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert common.short_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert common.short_gpu_name("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert common.short_gpu_name("NVIDIA H200") == "h200"
+    assert common.device_label(torch.device("cpu")) == "cpu"
 
 
 def test_convergence_records_have_the_documented_layout(tmp_path):
@@ -147,9 +148,32 @@ def test_robust_step_time_keeps_root_steps_amortised():
 
 
 def test_warmup_cosine_schedule():
-    factor = convergence.warmup_cosine(warmup=4, total=20)
+    factor = common.warmup_cosine(warmup=4, total=20)
     assert factor(0) == pytest.approx(0.25)
     assert factor(3) == pytest.approx(1.0)
     assert factor(4) == pytest.approx(1.0)
     assert factor(12) == pytest.approx(0.5)
     assert factor(20) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_build_optimizer_passes_hyperparameters_and_rejects_unknown_names():
+    params = [torch.zeros(4, 3, requires_grad=True)]
+    adamw = common.build_optimizer("adamw", params, lr=0.5, betas=(0.8, 0.9))
+    assert isinstance(adamw, torch.optim.AdamW)
+    assert adamw.defaults["lr"] == 0.5 and adamw.defaults["betas"] == (0.8, 0.9)
+    assert isinstance(common.build_optimizer("dash", params, lr=0.5, block_size=8), DASH)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        common.build_optimizer("sgd", params, lr=0.5)
+    options = convergence.hyperparameters("dash", 3e-3)
+    assert options["block_size"] == convergence.DASH_BLOCK_SIZE and options["grafting_beta2"] == 0.95
+
+
+def test_tables_and_json(tmp_path):
+    assert common.format_columns(["a", "bbb"], [["10", "2"]]) == " a  bbb\n10    2"
+    assert common.markdown_table(["x", "y"], [[1, "-"]]).splitlines() == ["| x | y |", "|---|---|", "| 1 | - |"]
+    record = step_time.Record("cpu", "m", "adamw", None, None, None, 1.5)
+    path = common.write_json(tmp_path / "sub" / "out.json", [record, {"k": 1}], indent=1)
+    assert path.read_text().endswith("\n")
+    import json
+
+    assert json.loads(path.read_text())[1] == {"k": 1} and json.loads(path.read_text())[0]["step_ms"] == 1.5

@@ -228,14 +228,6 @@ def check_option(name: str, value: Any) -> Any:
     return _CHECKS[name](name, value)
 
 
-def option_docs() -> list[tuple[str, str, Any, str]]:
-    """``(name, scope, default, meaning)`` of every option, for generated documentation."""
-    return [
-        (spec.name, "per group" if spec.metadata["per_group"] else "optimizer", spec.default, spec.metadata["doc"])
-        for spec in dataclasses.fields(DashConfig)
-    ]
-
-
 def check_group(group: dict[str, Any]) -> None:
     """Check a DASH parameter group: its per-group options and its parameters."""
     for name in GROUP_OPTIONS:

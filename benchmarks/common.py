@@ -86,8 +86,15 @@ def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def validation_loss(model: torch.nn.Module, corpus: Any, batch_size: int, context: int, batches: int,
-                    seed: int = 1, eval_mode: bool = True) -> float:
+def validation_loss(
+    model: torch.nn.Module,
+    corpus: Any,
+    batch_size: int,
+    context: int,
+    batches: int,
+    seed: int = 1,
+    eval_mode: bool = True,
+) -> float:
     """Mean loss of ``model`` (a :class:`~lightning_dash.demos.TinyGPT`) over ``batches`` validation
     batches of a :class:`~lightning_dash.demos.ByteCorpus`, drawn with a fixed ``seed`` (the same
     batches for every run), without gradients; the model is left in train mode.
@@ -122,10 +129,11 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, records: Iterable[Any], indent: int = 2) -> Path:
-    """Write ``records`` (dataclasses or plain dicts) as a JSON list to ``path``, creating its
-    folder; returns ``path``."""
+def write_json(path: Path, data: list | dict, indent: int = 2) -> Path:
+    """Write ``data`` to ``path`` as JSON, creating its folder; returns ``path``. A list is one of
+    records, dataclasses or plain dicts; a dict is written as it is."""
+    if isinstance(data, list):
+        data = [asdict(record) if is_dataclass(record) else record for record in data]
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [asdict(record) if is_dataclass(record) else record for record in records]
-    path.write_text(json.dumps(rows, indent=indent) + "\n")
+    path.write_text(json.dumps(data, indent=indent) + "\n")
     return path

@@ -98,6 +98,8 @@ MODELS: dict[str, GPTShape] = {
     "gpt2-350m": GPTShape(width=1024, layers=24, vocab=50257, context=1024),
     "gpt2-774m": GPTShape(width=1280, layers=36, vocab=50257, context=1024),
     "gpt-1b": GPTShape(width=2048, layers=18, vocab=50257, context=1024),
+    # 71k parameters: for smoke runs and tests (compare_revisions.py), not a result
+    "gpt-tiny": GPTShape(width=64, layers=1, vocab=256, context=64),
 }
 
 

@@ -7,6 +7,8 @@ layout.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,8 +102,6 @@ def test_step_time_records_have_the_documented_layout(tmp_path):
     assert ("dash_f10", "newton_db", 8) in names
     path = step_time.write_records(records, tmp_path, "cpu")
     assert path.name == "step_time_cpu.json"
-    import json
-
     for record in json.loads(path.read_text()):
         check_layout(record, STEP_TIME_KEYS)
     assert "loop / DASH" in step_time.format_table(records)
@@ -116,8 +116,6 @@ def test_gpu_labels():
 
 
 def test_convergence_records_have_the_documented_layout(tmp_path):
-    import json
-
     settings = convergence.Settings(steps=4, warmup=2, batch_size=4, context=8, width=8, depth=1, heads=2,
                                     eval_every=2, eval_batches=1, corpus_bytes=100_000)
     corpus = convergence.load_stdlib_corpus(max_bytes=settings.corpus_bytes)
@@ -174,6 +172,58 @@ def test_tables_and_json(tmp_path):
     record = step_time.Record("cpu", "m", "adamw", None, None, None, 1.5)
     path = common.write_json(tmp_path / "sub" / "out.json", [record, {"k": 1}], indent=1)
     assert path.read_text().endswith("\n")
-    import json
-
     assert json.loads(path.read_text())[1] == {"k": 1} and json.loads(path.read_text())[0]["step_ms"] == 1.5
+
+
+def test_compare_revisions_summary_pairs_rounds():
+    import compare_revisions
+
+    def run(round_, revision, adamw_ms, dash_ms=None):
+        records = [{"device": "cpu", "model": "m", "optimizer": "adamw", "solver": None, "dtype": None,
+                    "block_size": None, "step_ms": adamw_ms}]
+        if dash_ms is not None:
+            records.append({"device": "cpu", "model": "m", "optimizer": "dash", "solver": "eigh", "dtype": "float32",
+                            "block_size": 32, "step_ms": dash_ms})
+        return {"round": round_, "revision": revision, "wall_s": 1.0, "records": records, "skipped": []}
+
+    runs = [run(1, "before", 1.0, 10.0), run(1, "after", 2.0, 12.0), run(2, "before", 2.0, 10.0),
+            run(2, "after", 2.0), run(3, "before", 4.0, 30.0), run(3, "after", 2.0, 15.0)]
+    adamw, dash = compare_revisions.summarize(runs, rounds=3)
+    assert adamw["before_ms"] == [1.0, 2.0, 4.0] and adamw["after_ms"] == [2.0, 2.0, 2.0]
+    assert adamw["before_median_ms"] == 2.0 and adamw["ratio"] == 1.0
+    assert (adamw["ratio_min"], adamw["ratio_max"]) == (0.5, 2.0)
+    assert dash["after_ms"] == [12.0, None, 15.0] and dash["after_median_ms"] == 13.5
+    assert dash["ratio"] == pytest.approx(13.5 / 10.0)  # medians: 10 of (10, 10, 30) before
+    assert (dash["ratio_min"], dash["ratio_max"]) == (0.5, 1.2)  # rounds 1 and 3 only
+    table = compare_revisions.format_summary([adamw, dash])
+    assert "dash eigh float32 b32" in table and "0.500-1.200" in table
+
+    args = compare_revisions.parse_args(["--before", "abc", "--", "--model", "gpt-tiny"])
+    assert args.after is None and args.step_time_args == ["--model", "gpt-tiny"]
+    assert compare_revisions.parse_args(["--before", "abc"]).step_time_args == compare_revisions.DEFAULT_STEP_TIME_ARGS
+    with pytest.raises(SystemExit):
+        compare_revisions.parse_args(["--before", "abc", "--", "--out", "x"])
+
+
+def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
+    """HEAD (a temporary worktree) against the working tree, one round of the tiny model."""
+    import compare_revisions
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny tensors: a second thread only waits on a busy machine
+    out = tmp_path / "compare.json"
+    report = compare_revisions.main(["--before", "HEAD", "--rounds", "1", "--out", str(out), "--",
+                                     "--model", "gpt-tiny", "--block-sizes", "32", "--solvers", "eigh",
+                                     "--dtypes", "float32", "--warmup", "0", "--samples", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report) == {"before", "after", "machine", "step_time_args", "runs", "cases"}
+    assert len(report["before"]["commit"]) == 40 and report["after"]["rev"] == "working tree"
+    assert report["before"]["package"] != report["after"]["package"]
+    assert {"platform", "cpu_count", "torch"} <= set(report["machine"])
+    assert [(r["round"], r["revision"]) for r in report["runs"]] == [(1, "before"), (1, "after")]
+    for record in report["runs"][0]["records"]:
+        check_layout(record, STEP_TIME_KEYS)
+    assert [compare_revisions.case_label(compare_revisions.case_key(c)) for c in report["cases"]] == [
+        "adamw", "dash eigh float32 b32", "dash_f10 newton_db float32 b32"]
+    assert all(c["ratio"] > 0 and len(c["before_ms"]) == 1 for c in report["cases"])

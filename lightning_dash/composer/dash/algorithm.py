@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import ensure_tuple
 
-from lightning_dash.distributed import shard_across_ranks
-from lightning_dash.optim import DASH
-from lightning_dash.optim.validation import check_communication_dtype, check_conversion_overrides
+from lightning_dash.integration import ConversionOptions
+from lightning_dash.optim import DASH, DashConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +34,23 @@ class Dash(Algorithm):
     itself, so a checkpoint resumes on any number of processes.
 
     Options are plain keyword arguments so llm-foundry YAML can pass them
-    (``algorithms: {dash: {block_size: 1024}}``); None keeps the value mapped from
-    the original optimizer or DASH's default.
+    (``algorithms: {dash: {block_size: 1024}}``), or a
+    :class:`~lightning_dash.optim.DashConfig` from Python.
 
     Args:
-        block_size: largest tile side of the Kronecker blocks.
-        precondition_frequency: recompute the inverse roots every this many steps.
-        start_preconditioning_step: first step that uses the Shampoo direction.
-        inverse_root_method: "eigh", "coupled_newton", "newton_db" or "chebyshev".
-        matrix_scaling: "frobenius" or "power_iteration".
-        matmul_dtype: dtype of the solver matmuls ("float32", "bfloat16", "float16").
-        grafting: "adam", "adagrad", "rmsprop", "sgd" or "none" (None: follow the
-            original optimizer, e.g. Adam for ``DecoupledAdamW``).
-        epsilon: damping of the factors before the roots.
-        root_iterations: iterations of the Newton solvers.
-        relative_epsilon: whether ``epsilon`` is relative to each factor's norm (DASH's default).
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
+            differ from the defaults override the values mapped from the original optimizer.
+        lr, betas, epsilon, relative_epsilon, weight_decay, block_size, precondition_frequency,
+        start_preconditioning_step, inverse_root_method, matrix_scaling, matmul_dtype, grafting,
+        grafting_beta2, grafting_epsilon, shampoo_blend, nesterov, bias_correction, root_iterations,
+        chebyshev_degree, max_consecutive_root_failures, async_preconditioning, max_staleness:
+            every DASH option by keyword (meanings: :class:`~lightning_dash.optim.DashConfig`);
+            one that is not None overrides ``config`` and the value mapped from the original
+            optimizer, e.g. Adam grafting for ``DecoupledAdamW``
+            (:mod:`lightning_dash.integration.options` states the rule).
+        factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
         allow_custom_step: convert a subclass of a supported optimizer that overrides
             ``step`` (its own update rule is then lost; refused by default).
-        factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
-        async_preconditioning, max_staleness: on CUDA, compute the roots on a side
-            stream and use them at most ``max_staleness`` steps later (see DASH).
         communication_dtype: dtype of the all-gathered block updates across ranks.
 
     Example:
@@ -65,44 +61,57 @@ class Dash(Algorithm):
 
     def __init__(
         self,
-        block_size: Optional[int] = None,
-        precondition_frequency: Optional[int] = None,
-        start_preconditioning_step: Optional[int] = None,
-        inverse_root_method: Optional[str] = None,
-        matrix_scaling: Optional[str] = None,
-        matmul_dtype: Optional[Union[torch.dtype, str]] = None,
-        grafting: Optional[str] = None,
-        epsilon: Optional[float] = None,
-        root_iterations: Optional[int] = None,
-        factor_decay: Optional[float] = None,
-        async_preconditioning: Optional[bool] = None,
-        max_staleness: Optional[int] = None,
-        relative_epsilon: Optional[bool] = None,
-        allow_custom_step: Optional[bool] = None,
-        communication_dtype: Union[torch.dtype, str] = torch.float32,
+        config: DashConfig | None = None,
+        *,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        epsilon: float | None = None,
+        relative_epsilon: bool | None = None,
+        weight_decay: float | None = None,
+        block_size: int | None = None,
+        precondition_frequency: int | None = None,
+        start_preconditioning_step: int | None = None,
+        inverse_root_method: str | None = None,
+        matrix_scaling: str | None = None,
+        matmul_dtype: str | torch.dtype | None = None,
+        grafting: str | None = None,
+        grafting_beta2: float | None = None,
+        grafting_epsilon: float | None = None,
+        shampoo_blend: float | None = None,
+        nesterov: bool | None = None,
+        bias_correction: bool | None = None,
+        root_iterations: int | None = None,
+        chebyshev_degree: int | None = None,
+        max_consecutive_root_failures: int | None = None,
+        async_preconditioning: bool | None = None,
+        max_staleness: int | None = None,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        self.options = check_conversion_overrides(dict(
-            block_size=block_size,
-            precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step,
-            inverse_root_method=inverse_root_method,
-            matrix_scaling=matrix_scaling,
-            matmul_dtype=matmul_dtype,
-            grafting=grafting,
-            epsilon=epsilon,
-            root_iterations=root_iterations,
-            factor_decay=factor_decay,
-            async_preconditioning=async_preconditioning,
-            max_staleness=max_staleness,
-            relative_epsilon=relative_epsilon,
-            allow_custom_step=allow_custom_step,
-        ))
-        self.communication_dtype = check_communication_dtype(communication_dtype)
+        #: How the trainer's optimizer becomes DASH: the resolved overrides and conversion options.
+        self.conversion = ConversionOptions.build(
+            config, factor_decay=factor_decay, allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype, lr=lr, betas=betas, epsilon=epsilon,
+            relative_epsilon=relative_epsilon, weight_decay=weight_decay, block_size=block_size,
+            precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
+            inverse_root_method=inverse_root_method, matrix_scaling=matrix_scaling, matmul_dtype=matmul_dtype,
+            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            shampoo_blend=shampoo_blend, nesterov=nesterov, bias_correction=bias_correction,
+            root_iterations=root_iterations, chebyshev_degree=chebyshev_degree,
+            max_consecutive_root_failures=max_consecutive_root_failures,
+            async_preconditioning=async_preconditioning, max_staleness=max_staleness,
+        )
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
-        self.optimizer: Optional[DASH] = None
+        self.optimizer: DASH | None = None
 
     def __repr__(self) -> str:
-        shown = {**self.options, "communication_dtype": self.communication_dtype}
+        conversion = self.conversion
+        shown = {**conversion.overrides, "communication_dtype": conversion.communication_dtype}
+        if conversion.factor_decay is not None:
+            shown["factor_decay"] = conversion.factor_decay
+        if conversion.allow_custom_step:
+            shown["allow_custom_step"] = True
         return f"Dash({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
 
     def match(self, event: Event, state: State) -> bool:
@@ -112,15 +121,14 @@ class Dash(Algorithm):
         optimizers = ensure_tuple(state.optimizers)
         if len(optimizers) != 1:
             raise ValueError(f"Dash needs exactly one optimizer in the trainer, found {len(optimizers)}")
-        dash = DASH.from_optimizer(optimizers[0], **self.options)
-        sharded = shard_across_ranks(dash, self.communication_dtype)
+        dash = self.conversion.convert(optimizers[0])
         # Composer saves through torch.distributed.checkpoint, which calls state_dict()
         # on every rank: let DASH gather the blocks of all ranks inside that call.
         dash.collective_state_dict = True
         state.optimizers = dash
         self.optimizer = dash
         log.info("Dash: replaced %s by DASH%s", type(optimizers[0]).__name__,
-                 f" (blocks owned across {dash.distributor.world_size} ranks)" if sharded else "")
+                 "" if dash.distributor is None else f" (blocks owned across {dash.distributor.world_size} ranks)")
 
     def state_dict(self) -> dict[str, Any]:
         """Composer stores this beside the optimizer. torch.distributed.checkpoint keeps

@@ -27,7 +27,7 @@ from option_values import NON_DEFAULT, assert_carries, user_optimizer
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_dash import DASH, DashConfig
-from lightning_dash.composer import Dash, DashMonitor
+from lightning_dash.composer import Dash, DashComposerMonitor, DashMonitor
 from lightning_dash.optim.config import OPTION_NAMES
 
 
@@ -146,7 +146,7 @@ def declared_entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint
 
 def test_entry_points_resolve_to_dash_and_its_monitor() -> None:
     assert declared_entry_points("llmfoundry_algorithms")["dash"].load() is Dash
-    assert declared_entry_points("llmfoundry_callbacks")["dash_monitor"].load() is DashMonitor
+    assert declared_entry_points("llmfoundry_callbacks")["dash_monitor"].load() is DashComposerMonitor
     # llm-foundry builds algorithms from YAML keyword arguments.
     algorithm = Dash(block_size=512, matmul_dtype="bfloat16", grafting="sgd")
     assert dict(algorithm.conversion.overrides) == {"block_size": 512, "matmul_dtype": "bfloat16", "grafting": "sgd"}
@@ -224,7 +224,7 @@ class RecordGradientNorms(Callback):
 def test_monitors_log_through_composer() -> None:
     memory = InMemoryLogger()
     norms = RecordGradientNorms()
-    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashMonitor(log_interval=2),
+    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashComposerMonitor(logging_interval=2),
                                                     OptimizerMonitor(batch_log_interval=1)], loggers=[memory])
     trainer.fit()
     step_ms = memory.data["dash/optimizer_step_ms"]
@@ -239,12 +239,24 @@ def test_monitors_log_through_composer() -> None:
     trainer.close()
 
 
+def test_the_former_names_still_work_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="DashComposerMonitor"):
+        monitor = DashMonitor(logging_interval=3)
+    assert isinstance(monitor, DashComposerMonitor) and monitor.logging_interval == 3
+    with pytest.warns(DeprecationWarning, match="log_interval"):
+        assert DashComposerMonitor(log_interval=5).logging_interval == 5
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="logging_interval"):
+        DashComposerMonitor(logging_interval=2, log_interval=5)
+    with pytest.raises(ValueError, match="logging_interval"):
+        DashComposerMonitor(logging_interval=0)
+
+
 def test_monitor_without_dash_is_a_clear_error() -> None:
     model = build_model("classifier")
     from composer import Trainer
 
-    trainer = Trainer(model=model, callbacks=[DashMonitor()], device="cpu", progress_bar=False,
+    trainer = Trainer(model=model, callbacks=[DashComposerMonitor()], device="cpu", progress_bar=False,
                       train_dataloader=torch.utils.data.DataLoader([(torch.zeros(16, dtype=torch.long), 0)] * 2),
                       max_duration="1ba")
-    with pytest.raises(RuntimeError, match="DashMonitor needs DASH"):
+    with pytest.raises(TypeError, match="DashComposerMonitor needs DASH"):
         trainer.fit()

@@ -2,7 +2,7 @@
 
 The model, optimizer and schedule are ordinary Composer objects (``DecoupledAdamW``
 with warmup + cosine); ``algorithms=[Dash(...)]`` swaps the optimizer for DASH, and
-``DashMonitor`` logs its step time and health counters. Validation uses held-out
+``DashComposerMonitor`` logs its step time and health counters. Validation uses held-out
 stdlib files. About two minutes on a 2-core CPU with the defaults:
 
     .venv-composer/bin/python examples/composer_train.py
@@ -22,7 +22,7 @@ from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
-from lightning_dash.composer import Dash, DashMonitor
+from lightning_dash.composer import Dash, DashComposerMonitor
 from lightning_dash.demos import load_stdlib_corpus
 from lightning_dash.demos.composer_models import ComposerTinyGPT
 from lightning_dash.demos.stdlib_text import RandomWindows
@@ -57,7 +57,7 @@ def main() -> None:
     callbacks = []
     if args.optimizer == "dash":
         algorithms.append(Dash(block_size=args.block_size, precondition_frequency=args.precondition_frequency))
-        callbacks.append(DashMonitor(log_interval=args.eval_every))
+        callbacks.append(DashComposerMonitor(logging_interval=args.eval_every))
     trainer = Trainer(
         model=model,
         train_dataloader=DataLoader(train, batch_size=per_rank, sampler=dist.get_sampler(train, shuffle=False)),

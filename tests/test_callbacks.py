@@ -17,12 +17,13 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dash import DASH
+from lightning_dash import DASH, DashStrategy
 from lightning_dash.callbacks import (
     DashMonitor,
     GraftingSchedule,
     PreconditionerSchedule,
 )
+from lightning_dash.integration import dash_metrics
 
 LR = 0.01
 GRAFT_EPS = 1e-8
@@ -218,11 +219,11 @@ def test_grafting_schedule_survives_checkpoint_and_resume(tmp_path):
 
 def test_grafting_schedule_state_dict_restores_configuration():
     source = GraftingSchedule(start_step=3, span_steps=7, final_grafting="adagrad", switch_step=9)
-    source._switched = True
+    saved = {**source.state_dict(), "switched": True}  # as checkpointed after the switch
     target = GraftingSchedule(start_step=0, span_steps=1)
     assert target.state_key != source.state_key
-    target.load_state_dict(source.state_dict())
-    assert target.state_dict() == source.state_dict() and target.switched
+    target.load_state_dict(saved)
+    assert target.state_dict() == saved and target.switched
     assert target.state_key == source.state_key
     assert [target.blend(s) for s in (2, 3, 10, 11)] == [0.0, 0.0, 1.0, 1.0]
     assert target.blend(6) == pytest.approx(3 / 7)
@@ -287,10 +288,7 @@ def test_monitor_writes_metrics_on_logging_steps(tmp_path):
         assert float(row["dash/nonfinite_grad_skips"]) == 0.0
         residual = float(row["dash/root_residual"])  # roots are recomputed every step here
         assert math.isfinite(residual) and 0.0 <= residual < 1.0
-    has_balance = hasattr(DASH, "ownership_balance")
-    assert ("dash/ownership_balance" in rows[0]) == has_balance
-    if has_balance:
-        assert all(float(row["dash/ownership_balance"]) == pytest.approx(1.0) for row in rows)
+    assert all(float(row["dash/ownership_balance"]) == 1.0 for row in rows)
 
 
 def test_monitor_counts_skipped_nonfinite_gradients_and_omits_missing_residual(tmp_path):
@@ -331,11 +329,22 @@ def test_monitor_logs_asynchronous_root_counters(tmp_path):
 
 
 def test_monitor_without_logger_logs_nothing(tmp_path):
-    monitor = DashMonitor()
     with pytest.warns(UserWarning, match="no logger"):
-        fit(tmp_path, 2, [monitor])
-    assert monitor._started is None
+        fit(tmp_path, 2, [DashMonitor()])
     assert not list(tmp_path.rglob("*.csv"))
+
+
+def test_monitor_logs_the_shared_metrics_and_the_strategys_gradient_traffic(tmp_path):
+    """Under DashStrategy the metrics are dash_metrics' with the strategy's counted traffic."""
+    logger = CSVLogger(tmp_path, name="run")
+    module = TinyModule(optimizer="sgd")
+    fit(tmp_path, 2, [DashMonitor()], module=module, logger=logger, strategy=DashStrategy(start_method="popen"))
+    optimizer = module.trainer.optimizers[0]
+    expected = set(dash_metrics(optimizer, 0.0, module.trainer.strategy.comm_stats))
+    assert {"dash/grad_sync_bytes_sent_per_step", "dash/grad_sync_bytes_received_per_step"} <= expected
+    for row in read_metrics(logger):
+        assert {key for key, value in row.items() if key.startswith("dash/") and value} == expected
+        assert float(row["dash/grad_sync_bytes_sent_per_step"]) == 0.0  # one process: no traffic
 
 
 # --------------------------------------------------------------------------- validation

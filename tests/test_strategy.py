@@ -7,6 +7,7 @@ here without Lightning) and are bit-identical across ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -16,15 +17,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.demos.boring_classes import BoringModel
+from option_values import NON_DEFAULT, assert_carries, user_optimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_dash  # noqa: F401  (registers the strategies)
-from lightning_dash import DASH, DashStrategy
+import lightning_dash  # registers the strategies
+from lightning_dash import DASH, DashConfig, DashStrategy
+from lightning_dash.optim.config import OPTION_NAMES
 
 GLOBAL_BATCH = 16
 SAMPLES = 64  # four steps per epoch: checkpoints fall on epoch boundaries
-DASH_OPTIONS = dict(block_size=16, precondition_frequency=2, epsilon=1e-4)
+DASH_OPTIONS = {"block_size": 16, "precondition_frequency": 2, "epsilon": 1e-4}
 
 
 def dataset() -> TensorDataset:
@@ -137,9 +140,13 @@ def clean_process_group():
     release_process_group()
 
 
-def trainer(devices: int, steps: int, root: Path, strategy="dash_spawn", **kwargs) -> pl.Trainer:
+def trainer(devices: int, steps: int, root: Path, strategy: DashStrategy | None = None, **kwargs) -> pl.Trainer:
+    """A trainer; its strategy defaults to the DASH options of the reference, spawning the ranks
+    when there are several."""
+    if strategy is None:
+        strategy = DashStrategy(start_method="spawn" if devices > 1 else "popen", **DASH_OPTIONS)
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "dash", max_steps=steps,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, **kwargs,
     )
@@ -152,21 +159,19 @@ def reference_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def configure(strategy: pl.Trainer) -> None:
-    """Apply the DASH options of the reference to a trainer's strategy."""
-    strategy.strategy.dash_options.update(DASH_OPTIONS)
+def configure(run: pl.Trainer) -> None:
+    """Give a trainer's DashStrategy the DASH options of the reference over its own (test_async.py uses it)."""
+    conversion = run.strategy.conversion
+    run.strategy.conversion = dataclasses.replace(conversion, overrides={**conversion.overrides, **DASH_OPTIONS})
 
 
 def test_two_processes_match_single_process_dash_and_each_other(reference_file, tmp_path):
-    run = trainer(2, 6, tmp_path)
-    configure(run)
-    run.fit(ParityModule(reference_file))
+    trainer(2, 6, tmp_path).fit(ParityModule(reference_file))
 
 
 @pytest.mark.parametrize("first,second", [(2, 2), (2, 1), (1, 2)])
 def test_checkpoint_resume_is_exact_across_world_sizes(reference_file, tmp_path, first, second):
     before = trainer(first, 4, tmp_path)
-    configure(before)
     checkpoint = tmp_path / "half.ckpt"
     before.fit(ParityModule(reference_file, str(checkpoint)))
     release_process_group()
@@ -176,9 +181,7 @@ def test_checkpoint_resume_is_exact_across_world_sizes(reference_file, tmp_path,
     assert {"left_factor_0_0", "left_factor_2_0", "right_root_0_0", "momentum"} <= set(saved["state"][0])
     assert saved["state"][0]["root_valid"].all()
 
-    after = trainer(second, 8, tmp_path)
-    configure(after)
-    after.fit(ParityModule(reference_file), ckpt_path=checkpoint)
+    trainer(second, 8, tmp_path).fit(ParityModule(reference_file), ckpt_path=checkpoint)
 
 
 class FreezeThenUnfreeze(BaseFinetuning):
@@ -252,13 +255,56 @@ def test_single_device_run_converts_and_keeps_the_schedule(tmp_path):
     assert not torch.equal(model.layer.weight, before)
 
 
+@pytest.mark.parametrize("name", OPTION_NAMES)
+def test_every_dash_option_by_keyword_or_config_reaches_the_converted_optimizer(name):
+    for strategy in (DashStrategy(**{name: NON_DEFAULT[name]}),
+                     DashStrategy(config=DashConfig(**{name: NON_DEFAULT[name]}))):
+        assert dict(strategy.conversion.overrides) == {name: NON_DEFAULT[name]}
+        assert_carries(strategy.conversion.convert(user_optimizer()), name, NON_DEFAULT[name])
+
+
+class TwoGroupModule(BoringModel):
+    """BoringModel with a second layer in its own AdamW parameter group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([{"params": self.layer.parameters()}, {"params": self.head.parameters()}])
+
+
+def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
+    config = DashConfig(block_size=64, grafting_beta2=0.5, max_consecutive_root_failures=None)
+    keywords = {name: value for name, value in NON_DEFAULT.items() if name != "grafting_beta2"}
+    run = pl.Trainer(accelerator="cpu", devices=1, strategy=DashStrategy(config=config, **keywords), max_steps=1,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path)
+    run.fit(TwoGroupModule())
+    optimizer = run.optimizers[0]
+    assert isinstance(optimizer, DASH)
+    for name, value in NON_DEFAULT.items():
+        assert_carries(optimizer, name, value)
+
+
 @pytest.mark.parametrize(
-    "kwargs,name",
-    [(dict(block_size=0), "block_size"), (dict(inverse_root_method="qr"), "inverse_root_method"),
-     (dict(communication_dtype=torch.int8), "communication_dtype"), (dict(epsilon=-1.0), "epsilon")],
+    "kwargs,error,name",
+    [({"block_size": 0}, ValueError, "block_size"),
+     ({"inverse_root_method": "qr"}, ValueError, "inverse_root_method"),
+     ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+     ({"epsilon": -1.0}, ValueError, "epsilon"),
+     ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
+     ({"grafting_epsilon": 0.0}, ValueError, "grafting_epsilon"),
+     ({"max_consecutive_root_failures": 0}, ValueError, "max_consecutive_root_failures"),
+     ({"nesterov": 1}, TypeError, "nesterov"),
+     ({"factor_decay": 1.5}, ValueError, "factor_decay"),
+     ({"config": {"block_size": 8}}, TypeError, "config")],
 )
-def test_bad_strategy_option_is_a_clear_error(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_bad_strategy_option_is_a_clear_error(kwargs, error, name):
+    with pytest.raises(error, match=name):
         DashStrategy(**kwargs)
 
 
@@ -322,7 +368,7 @@ def test_registration_adds_dash_names_and_keeps_builtins():
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     for name, start_method in (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork")):
-        strategy = StrategyRegistry.get(name)
-        assert type(strategy) is DashStrategy and strategy._start_method == start_method
+        assert type(StrategyRegistry.get(name)) is DashStrategy
+        assert StrategyRegistry[name]["init_params"] == {"start_method": start_method}
     assert type(StrategyRegistry.get("ddp")) is DDPStrategy
     lightning_dash.register_strategies()  # idempotent: a second import-time call must not raise

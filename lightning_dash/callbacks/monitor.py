@@ -14,30 +14,29 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.callbacks.grafting_schedule import _dash_optimizer
+from lightning_dash.integration import dash_metrics
 from lightning_dash.optim.validation import check_int
+from lightning_dash.strategies import DashStrategy
 
 
 class DashMonitor(Callback):
     """Log the optimizer step's wall time and DASH's diagnostics every few optimizer steps.
 
-    Metrics (written with ``logger.log_metrics`` to every logger of the trainer, at the
-    step index Lightning uses for the batch's own metrics; nothing when there is none):
+    The metrics are those of :func:`~lightning_dash.integration.dash_metrics` (the same
+    names Composer's :class:`~lightning_dash.composer.DashComposerMonitor` logs), written
+    with ``logger.log_metrics`` to every logger of the trainer, at the step index
+    Lightning uses for the batch's own metrics (nothing when there is no logger):
 
     - ``dash/optimizer_step_ms``: wall time from ``on_before_optimizer_step`` to
       ``on_train_batch_end`` (the optimizer step plus gradient clipping and step-wise
-      LR schedulers), with CUDA synchronised at both ends when the module is on a GPU.
-    - ``dash/root_failures``, ``dash/nonfinite_grad_skips`` and ``dash/nonfinite_update_skips``:
-      cumulative counters (roots rejected as non-finite or unconverged; steps skipped
-      whole for a non-finite gradient or update).
-    - ``dash/root_residual``: the largest Newton residual of the latest root
-      computation, only when the step computed roots with a residual.
-    - ``dash/ownership_balance``: max/mean per-rank cost, when the optimizer has it.
-    - ``dash/async_roots_hidden``, ``dash/async_roots_waited`` and ``dash/async_wait_ms``,
-      with ``async_preconditioning``: root launches swapped in without waiting, launches
-      the main stream waited for, and the device time it stalled in those waits
-      (cumulative, this rank's; all zero off CUDA, where roots are synchronous).
+      LR schedulers), with CUDA synchronised at both ends when the module is on a GPU;
+    - ``dash/root_failures``, ``dash/nonfinite_grad_skips``, ``dash/nonfinite_update_skips``,
+      ``dash/ownership_balance``, and ``dash/root_residual`` when the step's roots have one;
+    - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms`` with
+      ``async_preconditioning``;
     - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic
-      of gradient synchronisation so far, when the strategy counts it (``DashStrategy``).
+      of gradient synchronisation so far, under :class:`~lightning_dash.DashStrategy` (which
+      counts it).
 
     Only logging steps synchronise the host with the device (the timing and the
     residual's ``.item()``); the other steps cost nothing.
@@ -90,28 +89,9 @@ class DashMonitor(Callback):
         self._started = None
         if trainer.global_step != self._step:
             return  # the step was skipped (e.g. by a gradient scaler); nothing to report
-        optimizer = _dash_optimizer(trainer, self)
-        metrics: dict[str, float] = {
-            "dash/optimizer_step_ms": elapsed_ms,
-            "dash/root_failures": float(optimizer.root_failure_count),
-            "dash/nonfinite_grad_skips": float(optimizer.nonfinite_grad_skips),
-            "dash/nonfinite_update_skips": float(optimizer.nonfinite_update_skips),
-        }
-        residual = optimizer.last_root_residual
-        if residual is not None:
-            metrics["dash/root_residual"] = float(residual.item())
-        if getattr(optimizer, "async_preconditioning", False):
-            metrics["dash/async_roots_hidden"] = float(optimizer.async_roots_hidden)
-            metrics["dash/async_roots_waited"] = float(optimizer.async_roots_waited)
-            metrics["dash/async_wait_ms"] = float(optimizer.async_wait_ms)
-        balance = getattr(optimizer, "ownership_balance", None)
-        if balance is not None:
-            metrics["dash/ownership_balance"] = float(balance)
-        comm = getattr(trainer.strategy, "comm_stats", None)
-        if comm is not None and comm.steps:
-            stats = comm.as_dict()
-            metrics["dash/grad_sync_bytes_sent_per_step"] = stats["bytes_sent_per_step"]
-            metrics["dash/grad_sync_bytes_received_per_step"] = stats["bytes_received_per_step"]
+        strategy = trainer.strategy
+        comm_stats = strategy.comm_stats if isinstance(strategy, DashStrategy) else None
+        metrics = dash_metrics(_dash_optimizer(trainer, self), elapsed_ms, comm_stats)
         # The index Lightning gives this batch's own metrics (as LearningRateMonitor does).
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:

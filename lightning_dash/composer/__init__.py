@@ -1,12 +1,12 @@
-"""Composer integration: the ``Dash`` algorithm and the ``DashMonitor`` callback.
+"""Composer integration: the ``Dash`` algorithm and the ``DashComposerMonitor`` callback.
 
 Importing this package needs ``mosaicml`` (``pip install "lightning-dash[composer]"``).
 ``Dash`` is also registered for llm-foundry under the ``llmfoundry_algorithms`` entry
-point group as ``dash``, and ``DashMonitor`` under ``llmfoundry_callbacks`` as
-``dash_monitor``.
+point group as ``dash``, and ``DashComposerMonitor`` under ``llmfoundry_callbacks`` as
+``dash_monitor``. ``DashMonitor`` is its deprecated former name.
 """
 
 from lightning_dash.composer.dash import Dash
-from lightning_dash.composer.monitor import DashMonitor
+from lightning_dash.composer.monitor import DashComposerMonitor, DashMonitor
 
-__all__ = ["Dash", "DashMonitor"]
+__all__ = ["Dash", "DashComposerMonitor", "DashMonitor"]

@@ -1,6 +1,6 @@
 """Lightning strategies; ``register_strategies`` adds them to Lightning's registry."""
 
-from lightning_dash.strategies.dash import DashStrategy
+from lightning_dash.strategies.dash_ddp import DashStrategy
 
 
 def register_strategies() -> None:

@@ -8,8 +8,9 @@ Composer's launcher for the two-process tests.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from composer import Callback, State, Trainer
@@ -24,12 +25,13 @@ from lightning_dash.composer import Dash
 from lightning_dash.demos import load_stdlib_corpus
 from lightning_dash.demos.composer_models import ComposerTinyGPT, last_target, next_byte_classifier
 from lightning_dash.demos.stdlib_text import RandomWindows
+from lightning_dash.distributed import ProcessGroupDistributor
 
 CONTEXT = {"gpt": 24, "classifier": 16}
 GLOBAL_BATCH = 16
 TOTAL_BATCHES = 8
 BASE_LR = 1e-2
-DASH_OPTIONS = dict(block_size=16, precondition_frequency=2, epsilon=1e-4)
+DASH_OPTIONS = {"block_size": 16, "precondition_frequency": 2, "epsilon": 1e-4}
 
 
 def windows(kind: str) -> Dataset:
@@ -68,10 +70,10 @@ class RecordLearningRates(Callback):
         self.lrs.append(state.optimizers[0].param_groups[0]["lr"])
 
 
-def make_trainer(kind: str, max_duration: str, save_folder: Optional[Path] = None, run_name: str = "dash",
-                 load_path: Optional[str] = None, autoresume: bool = False,
-                 algorithm_options: Optional[dict[str, Any]] = None,
-                 callbacks: Optional[list[Callback]] = None, loggers: Optional[list[Any]] = None) -> Trainer:
+def make_trainer(kind: str, max_duration: str, save_folder: Path | None = None, run_name: str = "dash",
+                 load_path: str | None = None, autoresume: bool = False,
+                 algorithm_options: dict[str, Any] | None = None,
+                 callbacks: list[Callback] | None = None, loggers: list[Any] | None = None) -> Trainer:
     model = build_model(kind)
     data = windows(kind)
     per_rank = GLOBAL_BATCH // dist.get_world_size()
@@ -119,7 +121,7 @@ def assert_matches_reference(ours: dict[str, torch.Tensor], expected: dict[str, 
     assert ours.keys() == expected.keys()
     for name, value in ours.items():
         torch.testing.assert_close(_without_key_third(name, value), _without_key_third(name, expected[name]),
-                                   rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+                                   rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_tracks_reference(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], kind: str) -> None:
@@ -159,6 +161,19 @@ def reference_parameters(kind: str, batches: int) -> dict[str, torch.Tensor]:
     return named_parameters(model)
 
 
+class RecordingDistributor(ProcessGroupDistributor):
+    """The default distributor, remembering the owner of every block it assigned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: list[int] = []
+
+    def assign_owners(self, keys: Sequence[Hashable], shapes: Sequence[tuple[int, int]],
+                      frequencies: Sequence[int]) -> list[int]:
+        self.owners = super().assign_owners(keys, shapes, frequencies)
+        return self.owners
+
+
 def main() -> None:
     """Entry point under ``composer -n 2``: train, then save what each rank ended with."""
     parser = argparse.ArgumentParser()
@@ -172,13 +187,17 @@ def main() -> None:
     lrs = RecordLearningRates()
     trainer = make_trainer(args.kind, args.max_duration, args.save_folder, args.run_name,
                            autoresume=args.autoresume, callbacks=[lrs])
-    trainer.fit()
     optimizer = trainer.state.optimizers[0]
+    if optimizer.distributor is not None:  # the one Dash installed, made to record the block owners
+        optimizer.distributor = RecordingDistributor()
+    trainer.fit()
     rank = dist.get_global_rank()
+    owners = optimizer.distributor.owners if optimizer.distributor is not None else []
     torch.save({
         "optimizer": type(optimizer).__name__,
         "world_size": optimizer.distributor.world_size if optimizer.distributor is not None else 1,
-        "owned_blocks": sum(stack.plan.num_blocks for stack in optimizer._current_layout().stacks),
+        "owners": owners,
+        "owned_blocks": owners.count(rank),
         "ownership_balance": optimizer.ownership_balance,
         "batches": trainer.state.timestamp.batch.value,
         "lrs": lrs.lrs,

@@ -11,10 +11,7 @@ import pytest
 import torch
 from composer import Callback, State
 from composer.callbacks import OptimizerMonitor
-from composer.loggers import Logger
-from composer.loggers import InMemoryLogger
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
+from composer.loggers import InMemoryLogger, Logger
 from composer_runs import (
     BASE_LR,
     DASH_OPTIONS,
@@ -26,8 +23,12 @@ from composer_runs import (
     reference_parameters,
     schedule_factor,
 )
-from lightning_dash import DASH
-from lightning_dash.composer import Dash, DashMonitor
+from option_values import NON_DEFAULT, assert_carries, user_optimizer
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from lightning_dash import DASH, DashConfig
+from lightning_dash.composer import Dash, DashComposerMonitor, DashMonitor
+from lightning_dash.optim.config import OPTION_NAMES
 
 
 def parameters(trainer) -> list[torch.Tensor]:
@@ -136,14 +137,45 @@ def test_distributed_checkpoint_round_trip_restores_every_statistic() -> None:
             assert torch.equal(torch.as_tensor(again["state"][name][key]), torch.as_tensor(value)), (name, key)
 
 
-def test_entry_point_resolves_to_dash() -> None:
-    points = {point.name: point for point in importlib.metadata.entry_points(group="llmfoundry_algorithms")}
-    assert points["dash"].load() is Dash
-    callbacks = {point.name: point for point in importlib.metadata.entry_points(group="llmfoundry_callbacks")}
-    assert callbacks["dash_monitor"].load() is DashMonitor
+def declared_entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
+    """The entry points pyproject.toml declares (what the next install registers)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["entry-points"]
+    return {name: importlib.metadata.EntryPoint(name, value, group) for name, value in declared[group].items()}
+
+
+def test_entry_points_resolve_to_dash_and_its_monitor() -> None:
+    assert declared_entry_points("llmfoundry_algorithms")["dash"].load() is Dash
+    assert declared_entry_points("llmfoundry_callbacks")["dash_monitor"].load() is DashComposerMonitor
     # llm-foundry builds algorithms from YAML keyword arguments.
-    algorithm = points["dash"].load()(**{"block_size": 512, "matmul_dtype": "bfloat16", "grafting": "sgd"})
-    assert algorithm.options == {"block_size": 512, "matmul_dtype": torch.bfloat16, "grafting": "sgd"}
+    algorithm = Dash(block_size=512, matmul_dtype="bfloat16", grafting="sgd")
+    assert dict(algorithm.conversion.overrides) == {"block_size": 512, "matmul_dtype": "bfloat16", "grafting": "sgd"}
+
+
+@pytest.mark.parametrize("name", OPTION_NAMES)
+def test_every_dash_option_by_keyword_or_config_reaches_the_converted_optimizer(name: str) -> None:
+    for algorithm in (Dash(**{name: NON_DEFAULT[name]}), Dash(DashConfig(**{name: NON_DEFAULT[name]}))):
+        assert dict(algorithm.conversion.overrides) == {name: NON_DEFAULT[name]}
+        assert_carries(algorithm.conversion.convert(user_optimizer()), name, NON_DEFAULT[name])
+
+
+def test_trainer_converts_with_every_option_keywords_winning_over_config() -> None:
+    from composer import Trainer
+    from composer.optim import DecoupledAdamW
+
+    model = build_model("classifier")
+    params = list(model.parameters())
+    optimizer = DecoupledAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.01)
+    config = DashConfig(block_size=64, grafting_beta2=0.5, max_consecutive_root_failures=None)
+    keywords = {name: value for name, value in NON_DEFAULT.items() if name != "grafting_beta2"}
+    trainer = Trainer(model=model, optimizers=optimizer, algorithms=[Dash(config, **keywords)], device="cpu",
+                      progress_bar=False)
+    converted = trainer.state.optimizers[0]
+    assert isinstance(converted, DASH)
+    for name, value in NON_DEFAULT.items():
+        assert_carries(converted, name, value)
+    assert "block_size=7" in repr(trainer.state.algorithms[0])
+    trainer.close()
 
 
 @pytest.mark.parametrize(("options", "error", "name"), [
@@ -153,6 +185,11 @@ def test_entry_point_resolves_to_dash() -> None:
     ({"matmul_dtype": "int8"}, ValueError, "matmul_dtype"),
     ({"communication_dtype": "float64"}, ValueError, "communication_dtype"),
     ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
+    ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
+    ({"shampoo_blend": 2.0}, ValueError, "shampoo_blend"),
+    ({"bias_correction": "no"}, TypeError, "bias_correction"),
+    ({"factor_decay": -0.5}, ValueError, "factor_decay"),
+    ({"config": {"block_size": 8}}, TypeError, "config"),
 ])
 def test_bad_options_name_the_argument(options: dict, error: type, name: str) -> None:
     with pytest.raises(error, match=name):
@@ -187,7 +224,7 @@ class RecordGradientNorms(Callback):
 def test_monitors_log_through_composer() -> None:
     memory = InMemoryLogger()
     norms = RecordGradientNorms()
-    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashMonitor(log_interval=2),
+    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashComposerMonitor(logging_interval=2),
                                                     OptimizerMonitor(batch_log_interval=1)], loggers=[memory])
     trainer.fit()
     step_ms = memory.data["dash/optimizer_step_ms"]
@@ -202,12 +239,24 @@ def test_monitors_log_through_composer() -> None:
     trainer.close()
 
 
+def test_the_former_names_still_work_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="DashComposerMonitor"):
+        monitor = DashMonitor(logging_interval=3)
+    assert isinstance(monitor, DashComposerMonitor) and monitor.logging_interval == 3
+    with pytest.warns(DeprecationWarning, match="log_interval"):
+        assert DashComposerMonitor(log_interval=5).logging_interval == 5
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="logging_interval"):
+        DashComposerMonitor(logging_interval=2, log_interval=5)
+    with pytest.raises(ValueError, match="logging_interval"):
+        DashComposerMonitor(logging_interval=0)
+
+
 def test_monitor_without_dash_is_a_clear_error() -> None:
     model = build_model("classifier")
     from composer import Trainer
 
-    trainer = Trainer(model=model, callbacks=[DashMonitor()], device="cpu", progress_bar=False,
+    trainer = Trainer(model=model, callbacks=[DashComposerMonitor()], device="cpu", progress_bar=False,
                       train_dataloader=torch.utils.data.DataLoader([(torch.zeros(16, dtype=torch.long), 0)] * 2),
                       max_duration="1ba")
-    with pytest.raises(RuntimeError, match="DashMonitor needs DASH"):
+    with pytest.raises(TypeError, match="DashComposerMonitor needs DASH"):
         trainer.fit()

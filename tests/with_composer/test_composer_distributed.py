@@ -16,16 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from composer_runs import (
     BASE_LR,
+    DASH_OPTIONS,
     TOTAL_BATCHES,
     assert_tracks_reference,
+    build_model,
     make_trainer,
     named_parameters,
     reference_parameters,
     schedule_factor,
 )
+
+from lightning_dash.distributed import block_shapes
 
 SCRIPT = Path(__file__).with_name("composer_runs.py")
 
@@ -40,10 +43,12 @@ def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
     """Run the training script on two ranks; return what each rank saved."""
     out = tmp_path / name
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
+    # The ranks import this checkout's lightning_dash (SCRIPT.parents[2]), as the tests do.
+    paths = [str(SCRIPT.parent), str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     command = [sys.executable, "-m", "composer.cli.launcher", "-n", "2", "--master_port", str(free_port()),
                "--stderr", str(out / "stderr{rank}.txt"), str(SCRIPT), "--out", str(out), *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     if result.returncode != 0:
         logs = "".join(path.read_text() for path in sorted(out.glob("stderr*.txt")))
         pytest.fail(f"launcher failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{logs[-3000:]}")
@@ -66,10 +71,10 @@ def test_two_ranks_share_blocks_and_match_one_process(tmp_path: Path, kind: str)
         assert rank["batches"] == TOTAL_BATCHES
         assert rank["lrs"] == pytest.approx([BASE_LR * schedule_factor(b) for b in range(TOTAL_BATCHES)])
         assert 1.0 <= rank["ownership_balance"] < 1.5
-    # Each rank owns a share of the blocks, together all of them once.
-    single = make_trainer(kind, "1ba")
-    total_blocks = sum(stack.plan.num_blocks for stack in single.state.optimizers[0]._current_layout().stacks)
-    single.close()
+    # Both ranks assign every block of the model to the same owner; each owns a share, together all of them.
+    shapes = [tuple(p.shape) for p in build_model(kind).parameters()]
+    total_blocks = len(block_shapes(shapes, DASH_OPTIONS["block_size"]))
+    assert ranks[0]["owners"] == ranks[1]["owners"] and len(ranks[0]["owners"]) == total_blocks
     assert 0 < ranks[0]["owned_blocks"] < total_blocks
     assert ranks[0]["owned_blocks"] + ranks[1]["owned_blocks"] == total_blocks
     assert_same_on_both_ranks(ranks)

@@ -1,5 +1,5 @@
 """DASH, a batched Shampoo, as a Composer algorithm (see README.md in this folder)."""
 
-from lightning_dash.composer.dash.dash import Dash
+from lightning_dash.composer.dash.algorithm import Dash
 
 __all__ = ["Dash"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import wraps
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,17 +14,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
-from lightning_dash.optim import DASH
-from lightning_dash.optim.validation import (
-    check_choice,
-    check_communication_dtype,
-    check_conversion_overrides,
-    check_int,
-        check_number,
-)
+from lightning_dash.integration import ConversionOptions
+from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.validation import check_choice, check_int, check_number
 
 
 def _track_scheduler_calls(optimizer: Optimizer) -> None:
@@ -55,17 +50,19 @@ class DashStrategy(DDPStrategy):
     the updates. Checkpoints hold the full, world-size-independent state.
 
     Args:
-        block_size, precondition_frequency, start_preconditioning_step,
-        inverse_root_method, matrix_scaling, matmul_dtype, grafting, epsilon,
-        root_iterations: DASH options; None keeps the value mapped from the
-            user's optimizer or DASH's default.
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
+            differ from the defaults override the values mapped from the user's optimizer.
+        lr, betas, epsilon, relative_epsilon, weight_decay, block_size, precondition_frequency,
+        start_preconditioning_step, inverse_root_method, matrix_scaling, matmul_dtype, grafting,
+        grafting_beta2, grafting_epsilon, shampoo_blend, nesterov, bias_correction, root_iterations,
+        chebyshev_degree, max_consecutive_root_failures, async_preconditioning, max_staleness:
+            every DASH option by keyword (meanings: :class:`~lightning_dash.optim.DashConfig`);
+            one that is not None overrides ``config`` and the value mapped from the user's
+            optimizer (:mod:`lightning_dash.integration.options` states the rule). With
+            ``async_preconditioning`` each rank computes its due roots on a side CUDA stream.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
-        relative_epsilon: whether ``epsilon`` is relative to each factor's norm (DASH's default).
         allow_custom_step: convert a subclass of a supported optimizer that overrides
             ``step`` (its own update rule is then lost; refused by default).
-        async_preconditioning, max_staleness: compute each rank's due roots on a side CUDA
-            stream and swap them in at most ``max_staleness`` steps later (see
-            :class:`~lightning_dash.optim.DASH`); off CUDA training is unchanged.
         communication_dtype: dtype of the all-gathered updates (float32 default).
         gradient_sync: ``"allreduce"`` (DDP's averaging all-reduce, counted) or ``"demo"``
             (DDP's all-reduce is switched off; DeMo exchanges the top-k DCT components of
@@ -81,21 +78,32 @@ class DashStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        block_size: Optional[int] = None,
-        precondition_frequency: Optional[int] = None,
-        start_preconditioning_step: Optional[int] = None,
-        inverse_root_method: Optional[str] = None,
-        matrix_scaling: Optional[str] = None,
-        matmul_dtype: Optional[Union[torch.dtype, str]] = None,
-        grafting: Optional[str] = None,
-        epsilon: Optional[float] = None,
-        root_iterations: Optional[int] = None,
-        factor_decay: Optional[float] = None,
-        async_preconditioning: Optional[bool] = None,
-        max_staleness: Optional[int] = None,
-        relative_epsilon: Optional[bool] = None,
-        allow_custom_step: Optional[bool] = None,
-        communication_dtype: Union[torch.dtype, str] = torch.float32,
+        config: DashConfig | None = None,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        epsilon: float | None = None,
+        relative_epsilon: bool | None = None,
+        weight_decay: float | None = None,
+        block_size: int | None = None,
+        precondition_frequency: int | None = None,
+        start_preconditioning_step: int | None = None,
+        inverse_root_method: str | None = None,
+        matrix_scaling: str | None = None,
+        matmul_dtype: str | torch.dtype | None = None,
+        grafting: str | None = None,
+        grafting_beta2: float | None = None,
+        grafting_epsilon: float | None = None,
+        shampoo_blend: float | None = None,
+        nesterov: bool | None = None,
+        bias_correction: bool | None = None,
+        root_iterations: int | None = None,
+        chebyshev_degree: int | None = None,
+        max_consecutive_root_failures: int | None = None,
+        async_preconditioning: bool | None = None,
+        max_staleness: int | None = None,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
         gradient_sync: str = "allreduce",
         demo_topk: int = 32,
         demo_chunk_size: int = 64,
@@ -103,33 +111,29 @@ class DashStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
-        self.demo_options = dict(
-            topk=check_int("demo_topk", demo_topk, low=1),
-            chunk_size=check_int("demo_chunk_size", demo_chunk_size, low=1),
-            momentum=check_number("demo_momentum", demo_momentum, low=0.0, high=1.0, high_open=True),
+        #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
+        self.conversion = ConversionOptions.build(
+            config, factor_decay=factor_decay, allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype, lr=lr, betas=betas, epsilon=epsilon,
+            relative_epsilon=relative_epsilon, weight_decay=weight_decay, block_size=block_size,
+            precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
+            inverse_root_method=inverse_root_method, matrix_scaling=matrix_scaling, matmul_dtype=matmul_dtype,
+            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            shampoo_blend=shampoo_blend, nesterov=nesterov, bias_correction=bias_correction,
+            root_iterations=root_iterations, chebyshev_degree=chebyshev_degree,
+            max_consecutive_root_failures=max_consecutive_root_failures,
+            async_preconditioning=async_preconditioning, max_staleness=max_staleness,
         )
+        self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
+        self.demo_options = {
+            "topk": check_int("demo_topk", demo_topk, low=1),
+            "chunk_size": check_int("demo_chunk_size", demo_chunk_size, low=1),
+            "momentum": check_number("demo_momentum", demo_momentum, low=0.0, high=1.0, high_open=True),
+        }
         self.comm_stats = CommStats()
         #: Optimizer steps restored from a checkpoint (``comm_stats`` counts this run only).
         self.resumed_steps = 0
-        self._demo: Optional[DemoSynchronizer] = None
-        self.dash_options = check_conversion_overrides(dict(
-            block_size=block_size,
-            precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step,
-            inverse_root_method=inverse_root_method,
-            matrix_scaling=matrix_scaling,
-            matmul_dtype=matmul_dtype,
-            grafting=grafting,
-            epsilon=epsilon,
-            root_iterations=root_iterations,
-            factor_decay=factor_decay,
-            async_preconditioning=async_preconditioning,
-            max_staleness=max_staleness,
-            relative_epsilon=relative_epsilon,
-            allow_custom_step=allow_custom_step,
-        ))
-        self.communication_dtype = check_communication_dtype(communication_dtype)
+        self._demo: DemoSynchronizer | None = None
 
     @classmethod
     @override
@@ -177,12 +181,12 @@ class DashStrategy(DDPStrategy):
         self.comm_stats.record(self._demo.last_bytes_sent, self._demo.last_bytes_received)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Every rank's DeMo momentum differs; rank 0 stores all of them (collective).
         if self._demo is not None:
             local = self._demo.state_dict()
             if self.world_size > 1:
-                gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+                gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
                 dist.gather_object(local, gathered, dst=0)
             else:
                 gathered = [local]
@@ -219,7 +223,7 @@ class DashStrategy(DDPStrategy):
             param.grad.copy_(part.view_as(param.grad))
 
     @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         converted = [self._convert(optimizer) for optimizer in self.optimizers]
         for config in self.lr_scheduler_configs:
@@ -239,12 +243,11 @@ class DashStrategy(DDPStrategy):
         super().teardown()
 
     def _convert(self, optimizer: Optimizer) -> DASH:
-        dash = optimizer if isinstance(optimizer, DASH) else DASH.from_optimizer(optimizer, **self.dash_options)
+        dash = self.conversion.convert(optimizer)
         if self.gradient_sync == "demo":
             # DeMo's error-feedback accumulator already is the momentum of the signal DASH
             # receives; a second momentum on top of it slows training (measured in
             # benchmarks/demo_sync.py), so DASH steps on the decoded direction directly.
             for group in dash.param_groups:
                 group["betas"] = (0.0, group["betas"][1])
-        shard_across_ranks(dash, self.communication_dtype)
         return dash

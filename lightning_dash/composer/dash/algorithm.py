@@ -1,0 +1,154 @@
+"""The ``Dash`` Composer algorithm: swap the trainer's optimizer for DASH at ``Event.INIT``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from composer.utils import ensure_tuple
+
+from lightning_dash.integration import ConversionOptions
+from lightning_dash.optim import DASH, DashConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Dash"]
+
+
+class Dash(Algorithm):
+    """Train with DASH instead of the optimizer given to the Composer ``Trainer``.
+
+    At ``Event.INIT`` (before Composer compiles its schedulers, wraps the model for
+    DDP and loads a checkpoint) the single optimizer in ``state.optimizers`` —
+    ``DecoupledAdamW``, ``DecoupledSGDW``, or a torch Adam/AdamW/SGD/Adagrad/RMSprop —
+    is converted with :meth:`DASH.from_optimizer` over the same parameter groups,
+    so learning rates, momenta and weight decay carry over and the schedulers bind
+    to DASH. With several processes every rank owns a cost-balanced share of the
+    blocks and one all-gather shares the updates (the same
+    :class:`~lightning_dash.distributed.ProcessGroupDistributor` the Lightning
+    strategy uses). Checkpoints go through Composer's own save/load, which calls
+    ``state_dict()`` on every rank; DASH then consolidates the blocks of all ranks by
+    itself, so a checkpoint resumes on any number of processes.
+
+    Options are plain keyword arguments so llm-foundry YAML can pass them
+    (``algorithms: {dash: {block_size: 1024}}``), or a
+    :class:`~lightning_dash.optim.DashConfig` from Python.
+
+    Args:
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
+            differ from the defaults override the values mapped from the original optimizer.
+        lr, betas, epsilon, relative_epsilon, weight_decay, block_size, precondition_frequency,
+        start_preconditioning_step, inverse_root_method, matrix_scaling, matmul_dtype, grafting,
+        grafting_beta2, grafting_epsilon, shampoo_blend, nesterov, bias_correction, root_iterations,
+        chebyshev_degree, max_consecutive_root_failures, async_preconditioning, max_staleness:
+            every DASH option by keyword (meanings: :class:`~lightning_dash.optim.DashConfig`);
+            one that is not None overrides ``config`` and the value mapped from the original
+            optimizer, e.g. Adam grafting for ``DecoupledAdamW``
+            (:mod:`lightning_dash.integration.options` states the rule).
+        factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
+        allow_custom_step: convert a subclass of a supported optimizer that overrides
+            ``step`` (its own update rule is then lost; refused by default).
+        communication_dtype: dtype of the all-gathered block updates across ranks.
+
+    Example:
+        >>> from composer import Trainer
+        >>> from lightning_dash.composer import Dash
+        >>> trainer = Trainer(model=model, algorithms=[Dash(block_size=1024)], ...)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: DashConfig | None = None,
+        *,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        epsilon: float | None = None,
+        relative_epsilon: bool | None = None,
+        weight_decay: float | None = None,
+        block_size: int | None = None,
+        precondition_frequency: int | None = None,
+        start_preconditioning_step: int | None = None,
+        inverse_root_method: str | None = None,
+        matrix_scaling: str | None = None,
+        matmul_dtype: str | torch.dtype | None = None,
+        grafting: str | None = None,
+        grafting_beta2: float | None = None,
+        grafting_epsilon: float | None = None,
+        shampoo_blend: float | None = None,
+        nesterov: bool | None = None,
+        bias_correction: bool | None = None,
+        root_iterations: int | None = None,
+        chebyshev_degree: int | None = None,
+        max_consecutive_root_failures: int | None = None,
+        async_preconditioning: bool | None = None,
+        max_staleness: int | None = None,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
+    ) -> None:
+        #: How the trainer's optimizer becomes DASH: the resolved overrides and conversion options.
+        self.conversion = ConversionOptions.build(
+            config, factor_decay=factor_decay, allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype, lr=lr, betas=betas, epsilon=epsilon,
+            relative_epsilon=relative_epsilon, weight_decay=weight_decay, block_size=block_size,
+            precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
+            inverse_root_method=inverse_root_method, matrix_scaling=matrix_scaling, matmul_dtype=matmul_dtype,
+            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            shampoo_blend=shampoo_blend, nesterov=nesterov, bias_correction=bias_correction,
+            root_iterations=root_iterations, chebyshev_degree=chebyshev_degree,
+            max_consecutive_root_failures=max_consecutive_root_failures,
+            async_preconditioning=async_preconditioning, max_staleness=max_staleness,
+        )
+        #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
+        self.optimizer: DASH | None = None
+
+    def __repr__(self) -> str:
+        conversion = self.conversion
+        shown = {**conversion.overrides, "communication_dtype": conversion.communication_dtype}
+        if conversion.factor_decay is not None:
+            shown["factor_decay"] = conversion.factor_decay
+        if conversion.allow_custom_step:
+            shown["allow_custom_step"] = True
+        return f"Dash({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.INIT
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        optimizers = ensure_tuple(state.optimizers)
+        if len(optimizers) != 1:
+            raise ValueError(f"Dash needs exactly one optimizer in the trainer, found {len(optimizers)}")
+        dash = self.conversion.convert(optimizers[0])
+        # Composer saves through torch.distributed.checkpoint, which calls state_dict()
+        # on every rank: let DASH gather the blocks of all ranks inside that call.
+        dash.collective_state_dict = True
+        state.optimizers = dash
+        self.optimizer = dash
+        log.info("Dash: replaced %s by DASH%s", type(optimizers[0]).__name__,
+                 "" if dash.distributor is None else f" (blocks owned across {dash.distributor.world_size} ranks)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Composer stores this beside the optimizer. torch.distributed.checkpoint keeps
+        only DASH's per-parameter state and groups, so DASH's optimizer-wide counters and
+        grafting type travel here (Composer loads algorithms before optimizers)."""
+        packed = super().state_dict()
+        if self.optimizer is not None:
+            packed["dash"] = {
+                "root_failure_count": self.optimizer.root_failure_count,
+                "nonfinite_grad_skips": self.optimizer.nonfinite_grad_skips,
+                "nonfinite_update_skips": self.optimizer.nonfinite_update_skips,
+                "grafting": self.optimizer.grafting,
+            }
+        return packed
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("dash")
+        if saved is None or self.optimizer is None:
+            return
+        self.optimizer.root_failure_count = int(saved["root_failure_count"])
+        self.optimizer.nonfinite_grad_skips = int(saved["nonfinite_grad_skips"])
+        self.optimizer.nonfinite_update_skips = int(saved.get("nonfinite_update_skips", 0))
+        self.optimizer.grafting = saved["grafting"]

@@ -1,0 +1,121 @@
+"""How a trainer integration takes DASH options and converts the user's optimizer with them.
+
+The Lightning strategy and the Composer algorithm both accept ``config`` (a
+:class:`~lightning_dash.optim.DashConfig`), every DASH option by keyword, and the
+conversion options ``factor_decay``, ``allow_custom_step`` and
+``communication_dtype``. :meth:`ConversionOptions.build` resolves them once, for
+both, into the *overrides* passed to :meth:`DASH.from_optimizer
+<lightning_dash.optim.DASH.from_optimizer>`:
+
+1. the fields of ``config`` that differ from DashConfig's defaults, then
+2. every keyword option that is not None (a keyword wins over ``config``).
+
+Every other option keeps the value mapped from the user's optimizer (AdamW's
+momentum, ``eps`` and weight decay, SGD's grafting, ...) or DASH's default. So a
+``config`` field left at (or set to) its default never overrides the mapped value,
+and a keyword cannot set an option to None (None means "not set"): pass
+``config=DashConfig(max_consecutive_root_failures=None)`` for that.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_dash.distributed import shard_across_ranks
+from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.config import check_option, check_option_names
+from lightning_dash.optim.validation import check_bool, check_communication_dtype, check_number
+
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    """The options a trainer integration converts the user's optimizer to DASH with.
+
+    Checked when built, so a bad value fails when the strategy or algorithm is
+    constructed, naming the option, rather than when training starts.
+
+    Attributes:
+        overrides: DASH options (:class:`~lightning_dash.optim.DashConfig` names, checked
+            and normalised, read-only) that replace the values mapped from the user's
+            optimizer: per-group ones in every parameter group, the others optimizer-wide.
+        factor_decay: ``betas[1]`` of every group (None: DASH's default); conflicts with
+            overriding ``betas``, which sets it too.
+        allow_custom_step: convert a subclass of a supported optimizer that overrides
+            ``step`` (its own update rule is then lost; refused by default).
+        communication_dtype: dtype of the block updates all-gathered across ranks.
+    """
+
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    factor_decay: float | None = None
+    allow_custom_step: bool = False
+    communication_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_option_names(self.overrides)
+        overrides = {name: check_option(name, value) for name, value in self.overrides.items()}
+        object.__setattr__(self, "overrides", MappingProxyType(overrides))
+        if self.factor_decay is not None:
+            if "betas" in overrides:
+                raise ValueError("factor_decay and betas both set betas[1]: give only one of them")
+            decay = check_number("factor_decay", self.factor_decay, low=0.0, high=1.0)
+            object.__setattr__(self, "factor_decay", decay)
+        check_bool("allow_custom_step", self.allow_custom_step)
+        object.__setattr__(self, "communication_dtype", check_communication_dtype(self.communication_dtype))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Spawned ranks receive the strategy pickled; a mappingproxy does not pickle.
+        return type(self), (dict(self.overrides), self.factor_decay, self.allow_custom_step, self.communication_dtype)
+
+    @classmethod
+    def build(
+        cls,
+        config: DashConfig | None = None,
+        *,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
+        **options: Any,
+    ) -> ConversionOptions:
+        """Resolve a trainer integration's arguments (see the module docstring for the rule).
+
+        ``options`` are DASH options by name, None meaning "not set"; an unknown name
+        raises ``TypeError`` listing the known ones, a bad value ``ValueError`` or
+        ``TypeError`` naming the option.
+        """
+        if config is not None and not isinstance(config, DashConfig):
+            raise TypeError(f"config must be a DashConfig, got {type(config).__name__}")
+        check_option_names(options)
+        given = {name: value for name, value in options.items() if value is not None}
+        overrides = {**(config.changed() if config is not None else {}), **given}
+        return cls(overrides, factor_decay, False if allow_custom_step is None else allow_custom_step,
+                   communication_dtype)
+
+    def convert(self, optimizer: Optimizer) -> DASH:
+        """``optimizer`` as DASH over its own parameter groups (so its schedulers keep
+        working), with these options, and its blocks owned across the ranks of the
+        default process group when several are running.
+
+        A DASH optimizer is kept as it is: the overrides are not applied to it (a
+        warning names them).
+        """
+        if isinstance(optimizer, DASH):
+            ignored = sorted(self.overrides)
+            if self.factor_decay is not None:
+                ignored.append("factor_decay")
+            if ignored:
+                warnings.warn(f"the optimizer already is DASH: the options {ignored} are not applied to it",
+                              UserWarning, stacklevel=2)
+            dash = optimizer
+        else:
+            conversion = {"factor_decay": self.factor_decay} if self.factor_decay is not None else {}
+            dash = DASH.from_optimizer(optimizer, **self.overrides, **conversion,
+                                       allow_custom_step=self.allow_custom_step)
+        shard_across_ranks(dash, self.communication_dtype)
+        return dash

@@ -1,0 +1,79 @@
+"""A valid, non-default value of every DASH option, and where a converted DASH shows it.
+
+Shared by the tests of the trainer integrations (Lightning strategy, LightningCLI,
+Composer algorithm): each passes every option and checks the converted optimizer
+carries it, through DASH's public attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_dash import DASH
+from lightning_dash.optim.config import GROUP_OPTIONS, OPTION_NAMES
+
+#: Differs from DashConfig's default and from what an AdamW(lr=0.01) maps to.
+NON_DEFAULT: dict[str, Any] = {
+    "lr": 0.125,
+    "betas": (0.5, 0.75),
+    "epsilon": 1e-3,
+    "relative_epsilon": False,
+    "weight_decay": 0.25,
+    "block_size": 7,
+    "precondition_frequency": 5,
+    "start_preconditioning_step": 3,
+    "inverse_root_method": "coupled_newton",
+    "matrix_scaling": "frobenius",
+    "matmul_dtype": "bfloat16",
+    "grafting": "rmsprop",
+    "grafting_beta2": 0.5,
+    "grafting_epsilon": 1e-5,
+    "shampoo_blend": 0.5,
+    "nesterov": True,
+    "bias_correction": False,
+    "root_iterations": 6,
+    "chebyshev_degree": 12,
+    "max_consecutive_root_failures": 7,
+    "async_preconditioning": True,
+    "max_staleness": 2,
+}
+
+#: How each optimizer-wide option reads back from a DASH optimizer's public attributes.
+_OPTIMIZER_WIDE: dict[str, Callable[[DASH], Any]] = {
+    "relative_epsilon": lambda dash: dash.root_settings.relative_epsilon,
+    "block_size": lambda dash: dash.block_size,
+    "inverse_root_method": lambda dash: dash.root_settings.method,
+    "matrix_scaling": lambda dash: dash.root_settings.scaling,
+    "matmul_dtype": lambda dash: str(dash.root_settings.matmul_dtype).removeprefix("torch."),
+    "grafting": lambda dash: dash.grafting,
+    "nesterov": lambda dash: dash.nesterov,
+    "bias_correction": lambda dash: dash.bias_correction,
+    "root_iterations": lambda dash: dash.root_settings.iterations,
+    "chebyshev_degree": lambda dash: dash.root_settings.chebyshev_degree,
+    "max_consecutive_root_failures": lambda dash: dash.max_consecutive_root_failures,
+    "async_preconditioning": lambda dash: dash.async_preconditioning,
+    "max_staleness": lambda dash: dash.max_staleness,
+}
+
+assert set(NON_DEFAULT) == set(OPTION_NAMES), "add the new option to NON_DEFAULT"
+assert set(_OPTIMIZER_WIDE) == set(OPTION_NAMES) - set(GROUP_OPTIONS), "add the new option to _OPTIMIZER_WIDE"
+
+
+def assert_carries(dash: DASH, name: str, value: Any) -> None:
+    """``dash`` has option ``name`` at ``value``: in every parameter group for a per-group option."""
+    if name in GROUP_OPTIONS:
+        assert len(dash.param_groups) > 1
+        assert [group[name] for group in dash.param_groups] == [value] * len(dash.param_groups), name
+    else:
+        assert _OPTIMIZER_WIDE[name](dash) == value, name
+
+
+def user_optimizer() -> torch.optim.Optimizer:
+    """AdamW over two parameter groups, as a model's ``configure_optimizers`` would build it."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 2))
+    return torch.optim.AdamW([{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 0.02}],
+                             lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)

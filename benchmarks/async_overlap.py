@@ -29,7 +29,6 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -54,8 +53,9 @@ class Config:
     steps: int
 
 
-FULL = Config(context=1024, width=768, depth=12, heads=12, vocab=50257, batch_size=8, block_size=1024,
-              warmup=10, steps=30)
+FULL = Config(
+    context=1024, width=768, depth=12, heads=12, vocab=50257, batch_size=8, block_size=1024, warmup=10, steps=30
+)
 SMOKE = Config(context=32, width=32, depth=2, heads=2, vocab=256, batch_size=2, block_size=16, warmup=1, steps=2)
 
 
@@ -63,34 +63,44 @@ SMOKE = Config(context=32, width=32, depth=2, heads=2, vocab=256, batch_size=2, 
 class Record:
     device: str
     optimizer: str
-    precondition_frequency: Optional[int]
+    precondition_frequency: int | None
     step_ms: float
 
 
-def make_optimizer(kind: str, model: torch.nn.Module, frequency: Optional[int], config: Config,
-                   args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(
+    kind: str,
+    model: torch.nn.Module,
+    frequency: int | None,
+    config: Config,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> torch.optim.Optimizer:
     """``adamw`` or ``dash_sync`` / ``dash_async`` with the shared lr, betas and weight decay."""
     options = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
     if kind == "adamw":
         return build_optimizer("adamw", model.parameters(), **options, fused=device.type == "cuda")
     return build_optimizer(
-        "dash", model.parameters(), **options, block_size=config.block_size,
-        precondition_frequency=frequency, inverse_root_method=args.inverse_root_method,
-        matmul_dtype=args.matmul_dtype, async_preconditioning=kind == "dash_async",
+        "dash",
+        model.parameters(),
+        **options,
+        block_size=config.block_size,
+        precondition_frequency=frequency,
+        inverse_root_method=args.inverse_root_method,
+        matmul_dtype=args.matmul_dtype,
+        async_preconditioning=kind == "dash_async",
         max_staleness=args.max_staleness,
     )
 
 
-def measure(kind: str, frequency: Optional[int], config: Config, args: argparse.Namespace,
-            device: torch.device) -> float:
+def measure(kind: str, frequency: int | None, config: Config, args: argparse.Namespace, device: torch.device) -> float:
     """Mean milliseconds of one training step after warm-up."""
     torch.manual_seed(0)
-    model = TinyGPT(context=config.context, width=config.width, depth=config.depth, heads=config.heads,
-                    vocab=config.vocab).to(device)
+    model = TinyGPT(
+        context=config.context, width=config.width, depth=config.depth, heads=config.heads, vocab=config.vocab
+    ).to(device)
     optimizer = make_optimizer(kind, model, frequency, config, args, device)
     generator = torch.Generator(device=device).manual_seed(1)
-    tokens = torch.randint(0, config.vocab, (config.batch_size, config.context + 1), device=device,
-                           generator=generator)
+    tokens = torch.randint(0, config.vocab, (config.batch_size, config.context + 1), device=device, generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
@@ -109,19 +119,28 @@ def measure(kind: str, frequency: Optional[int], config: Config, args: argparse.
     synchronize(device)
     elapsed_ms = (time.perf_counter() - started) * 1e3 / config.steps
     if isinstance(optimizer, DASH) and optimizer.async_preconditioning:
-        print(f"  {kind} f={frequency}: hidden {optimizer.async_roots_hidden}, waited "
-              f"{optimizer.async_roots_waited}, main-stream wait {optimizer.async_wait_ms:.1f} ms")
+        print(
+            f"  {kind} f={frequency}: hidden {optimizer.async_roots_hidden}, waited "
+            f"{optimizer.async_roots_waited}, main-stream wait {optimizer.async_wait_ms:.1f} ms"
+        )
     return elapsed_ms
 
 
 def print_table(records: list[Record]) -> None:
     adamw = next(r.step_ms for r in records if r.optimizer == "adamw")
-    rows = [[r.optimizer, "-" if r.precondition_frequency is None else r.precondition_frequency,
-             f"{r.step_ms:.2f}", f"{r.step_ms / adamw:.3f}"] for r in records]
+    rows = [
+        [
+            r.optimizer,
+            "-" if r.precondition_frequency is None else r.precondition_frequency,
+            f"{r.step_ms:.2f}",
+            f"{r.step_ms / adamw:.3f}",
+        ]
+        for r in records
+    ]
     print("\n" + markdown_table(["optimizer", "precondition_frequency", "step ms", "ratio to AdamW"], rows))
 
 
-def main(argv: Optional[list[str]] = None) -> list[Record]:
+def main(argv: list[str] | None = None) -> list[Record]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps (a quick check, not a result)")
@@ -131,8 +150,12 @@ def main(argv: Optional[list[str]] = None) -> list[Record]:
     parser.add_argument("--matmul-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON path (default: benchmarks/results/async_overlap_<device>.json; none with --smoke)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON path (default: benchmarks/results/async_overlap_<device>.json; none with --smoke)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = SMOKE if args.smoke else FULL
@@ -141,11 +164,13 @@ def main(argv: Optional[list[str]] = None) -> list[Record]:
     if args.steps is not None:
         config = replace(config, steps=args.steps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device_name}; model width {config.width}, depth {config.depth}, context {config.context}, "
-          f"vocab {config.vocab}, batch {config.batch_size}; block {config.block_size}, "
-          f"{args.inverse_root_method} ({args.matmul_dtype} matmuls), max_staleness {args.max_staleness}")
+    print(
+        f"device {device_name}; model width {config.width}, depth {config.depth}, context {config.context}, "
+        f"vocab {config.vocab}, batch {config.batch_size}; block {config.block_size}, "
+        f"{args.inverse_root_method} ({args.matmul_dtype} matmuls), max_staleness {args.max_staleness}"
+    )
 
-    runs: list[tuple[str, Optional[int]]] = [("adamw", None)]
+    runs: list[tuple[str, int | None]] = [("adamw", None)]
     runs += [(kind, f) for f in args.frequencies for kind in ("dash_sync", "dash_async")]
     records = []
     threads = torch.get_num_threads()

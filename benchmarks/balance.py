@@ -87,9 +87,15 @@ def param_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
     """Embedding, decoder layers, final norm and LM head, in module order."""
     h, attention, kv = config.hidden, config.heads * HEAD_DIM, config.kv_heads * HEAD_DIM
     layer = [
-        (attention, h), (kv, h), (kv, h), (h, attention),
-        (config.ffn, h), (config.ffn, h), (h, config.ffn),
-        (h,), (h,),
+        (attention, h),
+        (kv, h),
+        (kv, h),
+        (h, attention),
+        (config.ffn, h),
+        (config.ffn, h),
+        (h, config.ffn),
+        (h,),
+        (h,),
     ]
     return [(config.vocab, h), *layer * config.layers, (h,), (config.vocab, h)]
 

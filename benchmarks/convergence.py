@@ -153,8 +153,14 @@ def hyperparameters(name: str, lr: float) -> dict:
     if name == "adamw":
         return dict(lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     if name == "dash":
-        return dict(lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, grafting_beta2=BETAS[1],
-                    block_size=DASH_BLOCK_SIZE, precondition_frequency=DASH_FREQUENCY)
+        return dict(
+            lr=lr,
+            betas=BETAS,
+            weight_decay=WEIGHT_DECAY,
+            grafting_beta2=BETAS[1],
+            block_size=DASH_BLOCK_SIZE,
+            precondition_frequency=DASH_FREQUENCY,
+        )
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
@@ -164,14 +170,20 @@ def evaluate(model: TinyGPT, corpus: ByteCorpus, settings: Settings) -> float:
 
 
 def train_run(
-    optimizer_name: str, lr: float, seed: int, corpus: ByteCorpus, settings: Settings, device: torch.device,
+    optimizer_name: str,
+    lr: float,
+    seed: int,
+    corpus: ByteCorpus,
+    settings: Settings,
+    device: torch.device,
     build: Callable[[str, torch.nn.Module, float], torch.optim.Optimizer] | None = None,
 ) -> Run:
     """Train one model; evaluate at step 0, every ``eval_every`` steps and at the end.
     ``build(name, model, lr)`` makes the optimizer (default: :func:`hyperparameters`)."""
     torch.manual_seed(seed)
-    model = TinyGPT(context=settings.context, width=settings.width, depth=settings.depth,
-                    heads=settings.heads).to(device)
+    model = TinyGPT(context=settings.context, width=settings.width, depth=settings.depth, heads=settings.heads).to(
+        device
+    )
     if build is None:
         optimizer = build_optimizer(optimizer_name, model.parameters(), **hyperparameters(optimizer_name, lr))
     else:
@@ -258,11 +270,18 @@ def make_records(runs: list[Run], device_name: str) -> list[Record]:
     records = []
     for run in runs:
         reached = first_reaching(run.curve, targets[run.seed]) if run.seed in targets else None
-        records.append(Record(
-            device=device_name, optimizer=run.optimizer, lr=run.lr, seed=run.seed, steps=run.steps,
-            final_val_loss=run.final_val_loss, steps_to_adamw_final=None if reached is None else reached.step,
-            wall_s=run.wall_s,
-        ))
+        records.append(
+            Record(
+                device=device_name,
+                optimizer=run.optimizer,
+                lr=run.lr,
+                seed=run.seed,
+                steps=run.steps,
+                final_val_loss=run.final_val_loss,
+                steps_to_adamw_final=None if reached is None else reached.step,
+                wall_s=run.wall_s,
+            )
+        )
     return records
 
 
@@ -290,8 +309,9 @@ def dash_over_adamw(runs: list[Run]) -> Ratio:
         dash = None if dash_run is None else first_reaching(dash_run.curve, targets[seed])
         steps.append(None if dash is None else dash.step / adamw.step)
         wall.append(None if dash is None else dash.wall_s / adamw.wall_s)
-        median_time.append(None if dash is None else
-                           dash.step * dash_run.median_step_ms / (adamw.step * adamw_run.median_step_ms))
+        median_time.append(
+            None if dash is None else dash.step * dash_run.median_step_ms / (adamw.step * adamw_run.median_step_ms)
+        )
     return Ratio(seeds, steps, wall, median_time)
 
 
@@ -319,24 +339,34 @@ def format_table(records: list[Record], best: dict[str, float]) -> str:
     groups: dict[tuple[str, float], list[Record]] = {}
     for record in records:
         groups.setdefault((record.optimizer, record.lr), []).append(record)
-    header = ["optimizer", "lr", "best", "final val loss (mean over seeds)", "per seed", "steps to target",
-              "train s"]
+    header = ["optimizer", "lr", "best", "final val loss (mean over seeds)", "per seed", "steps to target", "train s"]
     rows = []
     for (name, lr), group in sorted(groups.items()):
         losses = [r.final_val_loss for r in group]
-        rows.append([
-            name, f"{lr:g}", "*" if best.get(name) == lr else "", f"{statistics.mean(losses):.4f}",
-            " ".join(f"{loss:.4f}" for loss in losses),
-            " ".join("-" if r.steps_to_adamw_final is None else str(r.steps_to_adamw_final) for r in group),
-            f"{statistics.mean(r.wall_s for r in group):.1f}",
-        ])
+        rows.append(
+            [
+                name,
+                f"{lr:g}",
+                "*" if best.get(name) == lr else "",
+                f"{statistics.mean(losses):.4f}",
+                " ".join(f"{loss:.4f}" for loss in losses),
+                " ".join("-" if r.steps_to_adamw_final is None else str(r.steps_to_adamw_final) for r in group),
+                f"{statistics.mean(r.wall_s for r in group):.1f}",
+            ]
+        )
     return format_columns(header, rows)
 
 
 def curves_json(runs: list[Run], device_name: str) -> list[dict]:
     return [
-        {"device": device_name, "optimizer": run.optimizer, "lr": run.lr, "seed": run.seed,
-         "median_step_ms": run.median_step_ms, "curve": [asdict(point) for point in run.curve]}
+        {
+            "device": device_name,
+            "optimizer": run.optimizer,
+            "lr": run.lr,
+            "seed": run.seed,
+            "median_step_ms": run.median_step_ms,
+            "curve": [asdict(point) for point in run.curve],
+        }
         for run in runs
     ]
 
@@ -366,8 +396,9 @@ def plot(runs: list[Run], best: dict[str, float], path: Path, title: str) -> Non
     cut = max(1, len(adamw_loss) // 10)
     by_step.set_ylim(top=adamw_loss[cut] + 0.05 * (adamw_loss[cut] - min(adamw_loss)))
     for axis in (by_step, by_wall):
-        axis.axhline(statistics.mean(targets.values()), color="grey", linestyle="--", linewidth=0.8,
-                     label="AdamW final (mean)")
+        axis.axhline(
+            statistics.mean(targets.values()), color="grey", linestyle="--", linewidth=0.8, label="AdamW final (mean)"
+        )
         axis.grid(alpha=0.3)
     by_step.set_xlabel("optimizer step")
     by_wall.set_xlabel("training wall time (s)")
@@ -381,8 +412,9 @@ def plot(runs: list[Run], best: dict[str, float], path: Path, title: str) -> Non
 
 def write_outputs(runs: list[Run], records: list[Record], out_dir: Path, device_name: str, title: str) -> list[Path]:
     records_path = write_json(out_dir / f"convergence_{device_name}.json", records)
-    curves_path = write_json(out_dir / f"convergence_curves_{device_name}.json", curves_json(runs, device_name),
-                             indent=1)
+    curves_path = write_json(
+        out_dir / f"convergence_curves_{device_name}.json", curves_json(runs, device_name), indent=1
+    )
     png_path = out_dir / f"convergence_{device_name}.png"
     plot(runs, best_lrs(runs), png_path, title)
     return [records_path, curves_path, png_path]
@@ -396,8 +428,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     parser.add_argument("--dash-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
-    for name in ("steps", "warmup", "batch_size", "context", "width", "depth", "heads", "eval_every",
-                 "eval_batches", "corpus_bytes"):
+    for name in (
+        "steps",
+        "warmup",
+        "batch_size",
+        "context",
+        "width",
+        "depth",
+        "heads",
+        "eval_every",
+        "eval_batches",
+        "corpus_bytes",
+    ):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(defaults, name), help="default: %(default)s")
     return parser.parse_args(argv)
@@ -409,25 +451,35 @@ def main(argv: list[str] | None = None) -> None:
     device_name = device_label(device)
     settings = Settings(**{name: getattr(args, name) for name in Settings.__dataclass_fields__})
     corpus = load_stdlib_corpus(max_bytes=settings.corpus_bytes)
-    print(f"{device_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; corpus "
-          f"{corpus.train.numel():,} training / {corpus.validation.numel():,} validation bytes")
+    print(
+        f"{device_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; corpus "
+        f"{corpus.train.numel():,} training / {corpus.validation.numel():,} validation bytes"
+    )
     print(f"settings: {settings}")
-    grid = [(name, lr, seed) for seed in args.seeds
-            for name, lrs in (("adamw", args.adamw_lrs), ("dash", args.dash_lrs)) for lr in lrs]
+    grid = [
+        (name, lr, seed)
+        for seed in args.seeds
+        for name, lrs in (("adamw", args.adamw_lrs), ("dash", args.dash_lrs))
+        for lr in lrs
+    ]
     start = time.perf_counter()
     warm_up(corpus, settings, device)
     runs = []
     for index, (name, lr, seed) in enumerate(grid, 1):
         run = train_run(name, lr, seed, corpus, settings, device)
         runs.append(run)
-        print(f"  [{index}/{len(grid)}] {name:<5} lr {lr:<7g} seed {seed}: final val loss "
-              f"{run.final_val_loss:.4f}, {run.wall_s:.1f} s training, median step {run.median_step_ms:.1f} ms",
-              flush=True)
+        print(
+            f"  [{index}/{len(grid)}] {name:<5} lr {lr:<7g} seed {seed}: final val loss "
+            f"{run.final_val_loss:.4f}, {run.wall_s:.1f} s training, median step {run.median_step_ms:.1f} ms",
+            flush=True,
+        )
     best = best_lrs(runs)
     records = make_records(runs, device_name)
-    print(f"\n{len(grid)} runs in {time.perf_counter() - start:.0f} s; best lr by final val loss averaged over "
-          f"seeds: AdamW {best['adamw']:g}, DASH {best['dash']:g} (* below); target per seed = AdamW's final "
-          "val loss at its best lr\n")
+    print(
+        f"\n{len(grid)} runs in {time.perf_counter() - start:.0f} s; best lr by final val loss averaged over "
+        f"seeds: AdamW {best['adamw']:g}, DASH {best['dash']:g} (* below); target per seed = AdamW's final "
+        "val loss at its best lr\n"
+    )
     print(format_table(records, best))
     ratio = dash_over_adamw(runs)
     print(f"\nDASH / AdamW steps to AdamW's final loss, seeds {ratio.seeds}: {spread(ratio.steps)}")
@@ -435,10 +487,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"DASH / AdamW training time to it, steps x median step time: {spread(ratio.median_time)}")
     for name in OPTIMIZERS:
         medians = [run.median_step_ms for run in runs if run.optimizer == name]
-        print(f"median step time of {name}: {statistics.median(medians):.1f} ms "
-              f"(runs range {min(medians):.1f}-{max(medians):.1f} ms)")
-    title = (f"TinyGPT width {settings.width}, depth {settings.depth}, context {settings.context} on stdlib bytes, "
-             f"{settings.steps} steps ({device_name})")
+        print(
+            f"median step time of {name}: {statistics.median(medians):.1f} ms "
+            f"(runs range {min(medians):.1f}-{max(medians):.1f} ms)"
+        )
+    title = (
+        f"TinyGPT width {settings.width}, depth {settings.depth}, context {settings.context} on stdlib bytes, "
+        f"{settings.steps} steps ({device_name})"
+    )
     for path in write_outputs(runs, records, args.out, device_name, title):
         print(f"wrote {path}")
 

@@ -62,7 +62,7 @@ class Candidate:
     solver: str | None
 
     @classmethod
-    def parse(cls, text: str) -> "Candidate":
+    def parse(cls, text: str) -> Candidate:
         """``defaults`` or ``solver:relative|absolute:epsilon``, e.g. ``eigh:relative:1e-6``."""
         if text == "defaults":
             return cls(None, False, None)
@@ -82,8 +82,7 @@ class Candidate:
         return dict(epsilon=self.epsilon, relative_epsilon=self.relative, inverse_root_method=self.solver)
 
 
-CANDIDATES = ("defaults", "eigh:relative:1e-5", "eigh:relative:1e-7", "eigh:relative:1e-8",
-              "newton_db:relative:1e-5")
+CANDIDATES = ("defaults", "eigh:relative:1e-5", "eigh:relative:1e-7", "eigh:relative:1e-8", "newton_db:relative:1e-5")
 
 
 def sensitivity(candidate: Candidate, frequency: int, seeds: range, steps: int = 10) -> float:
@@ -112,14 +111,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
-                        help="'defaults' or solver:relative|absolute:epsilon (default: %(default)s)")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=list(CANDIDATES),
+        help="'defaults' or solver:relative|absolute:epsilon (default: %(default)s)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the JSON file, e.g. 'before' for an older checkout")
     args = parser.parse_args(argv)
     candidates = [Candidate.parse(text) for text in args.candidates]
     device = resolve_device(args.device)
-    settings = Settings(steps=args.steps, warmup=max(1, args.steps // 20), context=128, eval_every=args.steps,
-                        eval_batches=16, corpus_bytes=4_000_000)
+    settings = Settings(
+        steps=args.steps,
+        warmup=max(1, args.steps // 20),
+        context=128,
+        eval_every=args.steps,
+        eval_batches=16,
+        corpus_bytes=4_000_000,
+    )
     corpus = load_stdlib_corpus(max_bytes=settings.corpus_bytes)
     print(f"{device_label(device)}, torch {torch.__version__}, {torch.get_num_threads()} threads; {settings}")
     records, failures = [], {}
@@ -127,22 +136,29 @@ def main(argv: list[str] | None = None) -> None:
     losses: dict[Candidate, list[float]] = {c: [] for c in candidates}
     for seed in args.seeds:  # interleaved: every candidate once per seed, in turn
         for candidate in candidates:
-            def build(name, model, lr, candidate=candidate):
+
+            def build(name, model, lr, candidate=candidate, seed=seed):
                 # convergence.py's DASH (block 256, roots every 10 steps) with the candidate's damping
-                optimizer = build_optimizer(name, model.parameters(), **hyperparameters(name, lr),
-                                            **candidate.options())
+                optimizer = build_optimizer(
+                    name, model.parameters(), **hyperparameters(name, lr), **candidate.options()
+                )
                 failures[(candidate, seed)] = optimizer
                 return optimizer
 
             run = train_run("dash", MAIN_JOB_LR, seed, corpus, settings, device, build=build)
             losses[candidate].append(run.final_val_loss)
-            print(f"  seed {seed} {candidate.label:<28} val loss {run.final_val_loss:.4f} "
-                  f"({run.wall_s:.0f} s)", flush=True)
+            print(
+                f"  seed {seed} {candidate.label:<28} val loss {run.final_val_loss:.4f} ({run.wall_s:.0f} s)",
+                flush=True,
+            )
     for candidate in candidates:
         record = {
-            "device": device_label(device), "label": candidate.label + (f" ({args.tag})" if args.tag else ""),
-            "epsilon": candidate.epsilon, "relative": candidate.relative,
-            "solver": candidate.solver, "val_loss": losses[candidate],
+            "device": device_label(device),
+            "label": candidate.label + (f" ({args.tag})" if args.tag else ""),
+            "epsilon": candidate.epsilon,
+            "relative": candidate.relative,
+            "solver": candidate.solver,
+            "val_loss": losses[candidate],
             "val_loss_mean": statistics.mean(losses[candidate]),
             "sensitivity_f1": sensitivity(candidate, 1, range(3)),
             "sensitivity_f10": sensitivity(candidate, 10, range(3)),
@@ -153,10 +169,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for record in records:
         per_seed = ", ".join(f"{v:.4f}" for v in record["val_loss"])
-        rows.append([record["label"], f"{record['val_loss_mean']:.4f} ({per_seed})",
-                     f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e}", record["root_failures"]])
-    print(markdown_table(["damping", "val loss (mean; per seed)", "roundoff sensitivity f=1 / f=10", "root failures"],
-                         rows))
+        rows.append(
+            [
+                record["label"],
+                f"{record['val_loss_mean']:.4f} ({per_seed})",
+                f"{record['sensitivity_f1']:.1e} / {record['sensitivity_f10']:.1e}",
+                record["root_failures"],
+            ]
+        )
+    print(
+        markdown_table(
+            ["damping", "val loss (mean; per seed)", "roundoff sensitivity f=1 / f=10", "root failures"], rows
+        )
+    )
     path = args.out / f"damping_{device_label(device)}{'_' + args.tag if args.tag else ''}.json"
     print(f"wrote {write_json(path, records, indent=1)}")
 

@@ -58,8 +58,16 @@ def make_optimizer(mode: str, model: TinyGPT, topk: int, momentum: float):
     # With DeMo the error-feedback accumulator is the momentum; DASH adds none on top
     # (as DashStrategy(gradient_sync="demo") does).
     momentum = 0.0 if mode == "demo_dash" else 0.9
-    return build_optimizer("dash", model.parameters(), lr=lr, betas=(momentum, 0.95), weight_decay=0.01,
-                           block_size=256, precondition_frequency=10, distributor=ProcessGroupDistributor())
+    return build_optimizer(
+        "dash",
+        model.parameters(),
+        lr=lr,
+        betas=(momentum, 0.95),
+        weight_decay=0.01,
+        block_size=256,
+        precondition_frequency=10,
+        distributor=ProcessGroupDistributor(),
+    )
 
 
 def train(rank: int, mode: str, steps: int, topk: int, momentum: float, init_file: str, out_file: str) -> None:
@@ -127,8 +135,10 @@ def main() -> None:
     for record in records:
         ratio = reference["bytes_sent_per_step"] / record["bytes_sent_per_step"]
         topk = "-" if record["topk"] is None else record["topk"]
-        print(f"{record['mode']:>10} {topk:>5} {record['final_loss']:>10.4f} {record['bytes_sent_per_step']:>12.0f} "
-              f"{record['bytes_received_per_step']:>12.0f} {ratio:>10.1f}x")
+        print(
+            f"{record['mode']:>10} {topk:>5} {record['final_loss']:>10.4f} {record['bytes_sent_per_step']:>12.0f} "
+            f"{record['bytes_received_per_step']:>12.0f} {ratio:>10.1f}x"
+        )
     print(f"\nwrote {write_json(RESULTS_DIR / 'demo_sync_cpu.json', records)}")
 
 

@@ -49,7 +49,8 @@ from lightning_dash.demos import ByteCorpus, TinyGPT, load_stdlib_corpus
 SPIKE = 1e12
 #: (solver, matmul dtype) pairs; eigh has no matmul dtype of its own.
 CONFIGURATIONS = [("eigh", "float32")] + [
-    (solver, dtype) for solver in ("newton_db", "coupled_newton", "chebyshev")
+    (solver, dtype)
+    for solver in ("newton_db", "coupled_newton", "chebyshev")
     for dtype in ("float32", "bfloat16", "float16")
 ]
 
@@ -84,14 +85,25 @@ def loss_factor(step: int, spike_every: int) -> float:
     return 1.0
 
 
-def soak(name: str, solver: str | None, matmul_dtype: str | None, args: argparse.Namespace,
-         corpus: ByteCorpus, device: torch.device) -> SoakResult:
+def soak(
+    name: str,
+    solver: str | None,
+    matmul_dtype: str | None,
+    args: argparse.Namespace,
+    corpus: ByteCorpus,
+    device: torch.device,
+) -> SoakResult:
     torch.manual_seed(0)
     model = TinyGPT(context=args.context, width=args.width, depth=args.depth, heads=2).to(device)
     options = {"lr": args.lr, "betas": (0.9, 0.95)}
     if name == "dash":
-        options.update(block_size=args.block_size, precondition_frequency=10, inverse_root_method=solver,
-                       matmul_dtype=matmul_dtype, max_consecutive_root_failures=None)
+        options.update(
+            block_size=args.block_size,
+            precondition_frequency=10,
+            inverse_root_method=solver,
+            matmul_dtype=matmul_dtype,
+            max_consecutive_root_failures=None,
+        )
     optimizer = build_optimizer(name, model.parameters(), **options)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps // 50, args.steps))
     data = torch.Generator().manual_seed(0)
@@ -113,12 +125,21 @@ def soak(name: str, solver: str | None, matmul_dtype: str | None, args: argparse
     final = validation_loss(model, corpus, 32, args.context, 8, eval_mode=False) if nonfinite == 0 else math.nan
     dash = optimizer if isinstance(optimizer, DASH) else None
     return SoakResult(
-        device=device_label(device), optimizer=name, solver=solver, matmul_dtype=matmul_dtype, steps=args.steps,
-        spikes=spikes, bad_batches=bad, nonfinite_parameter_steps=nonfinite,
+        device=device_label(device),
+        optimizer=name,
+        solver=solver,
+        matmul_dtype=matmul_dtype,
+        steps=args.steps,
+        spikes=spikes,
+        bad_batches=bad,
+        nonfinite_parameter_steps=nonfinite,
         root_failures=dash.root_failure_count if dash else 0,
         nonfinite_grad_skips=dash.nonfinite_grad_skips if dash else 0,
         nonfinite_update_skips=dash.nonfinite_update_skips if dash else 0,
-        max_root_residual=residual, final_val_loss=final, val_loss_vs_eigh=None, wall_s=wall,
+        max_root_residual=residual,
+        final_val_loss=final,
+        val_loss_vs_eigh=None,
+        wall_s=wall,
     )
 
 
@@ -134,8 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--configurations", nargs="+", default=None,
-                        help="solver:dtype pairs (default: every solver with every matmul dtype)")
+    parser.add_argument(
+        "--configurations",
+        nargs="+",
+        default=None,
+        help="solver:dtype pairs (default: every solver with every matmul dtype)",
+    )
     return parser.parse_args(argv)
 
 
@@ -149,22 +174,46 @@ def main(argv: list[str] | None = None) -> list[SoakResult]:
     for solver, dtype in pairs:
         results.append(soak("dash", solver, dtype, args, corpus, device))
         last = results[-1]
-        print(f"  {solver:<15} {dtype:<9} non-finite steps {last.nonfinite_parameter_steps}, "
-              f"root failures {last.root_failures}, val loss {last.final_val_loss:.4f} ({last.wall_s:.0f} s)",
-              flush=True)
+        print(
+            f"  {solver:<15} {dtype:<9} non-finite steps {last.nonfinite_parameter_steps}, "
+            f"root failures {last.root_failures}, val loss {last.final_val_loss:.4f} ({last.wall_s:.0f} s)",
+            flush=True,
+        )
     eigh = next((r for r in results if r.solver == "eigh" and r.matmul_dtype == "float32"), None)
     for result in results:
         if eigh is not None and math.isfinite(result.final_val_loss):
             result.val_loss_vs_eigh = result.final_val_loss - eigh.final_val_loss
     rows = [
-        [r.optimizer, r.solver or "-", r.matmul_dtype or "-", r.nonfinite_parameter_steps, r.root_failures,
-         f"{r.nonfinite_grad_skips} / {r.nonfinite_update_skips}",
-         "-" if r.max_root_residual is None else f"{r.max_root_residual:.1e}", f"{r.final_val_loss:.4f}",
-         "-" if r.val_loss_vs_eigh is None else f"{r.val_loss_vs_eigh:+.4f}"]
+        [
+            r.optimizer,
+            r.solver or "-",
+            r.matmul_dtype or "-",
+            r.nonfinite_parameter_steps,
+            r.root_failures,
+            f"{r.nonfinite_grad_skips} / {r.nonfinite_update_skips}",
+            "-" if r.max_root_residual is None else f"{r.max_root_residual:.1e}",
+            f"{r.final_val_loss:.4f}",
+            "-" if r.val_loss_vs_eigh is None else f"{r.val_loss_vs_eigh:+.4f}",
+        ]
         for r in results
     ]
-    print("\n" + markdown_table(["optimizer", "solver", "matmul dtype", "non-finite steps", "root failures",
-                                 "skipped (grad / update)", "max residual", "final val loss", "vs fp32 eigh"], rows))
+    print(
+        "\n"
+        + markdown_table(
+            [
+                "optimizer",
+                "solver",
+                "matmul dtype",
+                "non-finite steps",
+                "root failures",
+                "skipped (grad / update)",
+                "max residual",
+                "final val loss",
+                "vs fp32 eigh",
+            ],
+            rows,
+        )
+    )
     print(f"wrote {write_json(args.out / f'soak_{device_label(device)}.json', results, indent=1)}")
     return results
 

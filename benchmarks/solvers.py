@@ -39,9 +39,10 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -91,7 +92,7 @@ class Record:
     n: int
     relative_eps: float
     method: str
-    scaling: Optional[str]
+    scaling: str | None
     dtype: str
     batched_ms: float
     loop_ms: float
@@ -136,9 +137,7 @@ def parse_args(on_cuda: bool) -> argparse.Namespace:
 def shampoo_statistics(num_blocks: int, size: int, generator: torch.Generator) -> Tensor:
     """Average of ``G G^T`` over random gradients, with a magnitude spread across blocks."""
     row_scales = torch.logspace(0.0, -math.log10(GRADIENT_ROW_SPREAD), size, dtype=torch.float64)
-    gradients = torch.randn(
-        GRADIENT_DRAWS, num_blocks, size, size, generator=generator, dtype=torch.float64
-    )
+    gradients = torch.randn(GRADIENT_DRAWS, num_blocks, size, size, generator=generator, dtype=torch.float64)
     gradients = gradients * row_scales[:, None]
     outer = (gradients @ gradients.transpose(-1, -2)).mean(dim=0)
     magnitudes = torch.logspace(
@@ -209,10 +208,7 @@ def measure(problem: Problem, relative_eps: float, settings: RootSettings, devic
         return inverse_root(stats, eps, ROOT, settings).root
 
     def per_block() -> list[Tensor]:
-        return [
-            inverse_root(stats[i : i + 1], eps[i : i + 1], ROOT, settings).root
-            for i in range(num_blocks)
-        ]
+        return [inverse_root(stats[i : i + 1], eps[i : i + 1], ROOT, settings).root for i in range(num_blocks)]
 
     warmup_s, roots = timed(batched, device)
     repetitions = repetitions_for(warmup_s)

@@ -199,8 +199,13 @@ def adamw_kind(device: torch.device) -> str:
 def dash_case(solver: str, dtype: str, block_size: int, frequency: int = 1) -> Case:
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
         return build_optimizer(
-            "dash", params, lr=LR, block_size=block_size, precondition_frequency=frequency,
-            inverse_root_method=solver, matmul_dtype=getattr(torch, dtype),
+            "dash",
+            params,
+            lr=LR,
+            block_size=block_size,
+            precondition_frequency=frequency,
+            inverse_root_method=solver,
+            matmul_dtype=getattr(torch, dtype),
         )
 
     name = "dash" if frequency == 1 else f"dash_f{frequency}"
@@ -214,8 +219,12 @@ def loop_case(solver: str, dtype: str, block_size: int, rounds: int | None) -> C
         from _shampoo_loop import ShampooLoop
 
         return ShampooLoop(
-            params, lr=LR, block_size=block_size, precondition_frequency=1,
-            inverse_root_method=solver, matmul_dtype=getattr(torch, dtype),
+            params,
+            lr=LR,
+            block_size=block_size,
+            precondition_frequency=1,
+            inverse_root_method=solver,
+            matmul_dtype=getattr(torch, dtype),
         )
 
     return Case("shampoo_loop", solver, dtype, block_size, build, max_rounds=rounds)
@@ -238,15 +247,21 @@ def third_party_cases(max_dim: int) -> tuple[list[Case], list[str]]:
         def kl_shampoo(params: list[Tensor]) -> torch.optim.Optimizer:
             return heavyball.KLShampoo(params, lr=LR, precondition_frequency=1, weight_decay=0.0)
 
-        cases += [Case("heavyball_soap", None, None, None, soap),
-                  Case("heavyball_shampoo", None, None, None, kl_shampoo)]
-        notes.append(f"heavyball {heavyball_version()}: heavyball_shampoo is heavyball.KLShampoo "
-                     "(no plain Shampoo in heavyball 3.x); eager, precondition_frequency=1")
+        cases += [
+            Case("heavyball_soap", None, None, None, soap),
+            Case("heavyball_shampoo", None, None, None, kl_shampoo),
+        ]
+        notes.append(
+            f"heavyball {heavyball_version()}: heavyball_shampoo is heavyball.KLShampoo "
+            "(no plain Shampoo in heavyball 3.x); eager, precondition_frequency=1"
+        )
     if importlib.util.find_spec("pytorch_optimizer") is None:
         notes.append("pytorch_optimizer not installed: pytorch_optimizer_shampoo skipped")
     elif max_dim > FULL_MATRIX_MAX_DIM:
-        notes.append(f"pytorch_optimizer_shampoo skipped: it keeps a full {max_dim}x{max_dim} factor "
-                     "and takes its SVD every step")
+        notes.append(
+            f"pytorch_optimizer_shampoo skipped: it keeps a full {max_dim}x{max_dim} factor "
+            "and takes its SVD every step"
+        )
     else:
         from pytorch_optimizer import Shampoo
 
@@ -268,9 +283,7 @@ def build_cases(args: argparse.Namespace, max_dim: int) -> tuple[list[Case], lis
     """AdamW, every DASH configuration with its loop baseline, dash_f10, third parties."""
     cases = [Case("adamw", None, None, None, build_adamw)]
     solver_dtypes = [
-        (solver, dtype)
-        for solver in args.solvers
-        for dtype in (["float32"] if solver == "eigh" else args.dtypes)
+        (solver, dtype) for solver in args.solvers for dtype in (["float32"] if solver == "eigh" else args.dtypes)
     ]
     for block_size in args.block_sizes:
         cases += [dash_case(solver, dtype, block_size) for solver, dtype in solver_dtypes]
@@ -318,8 +331,14 @@ def run_case(
 
 
 def measure(
-    cases: list[Case], params: list[Tensor], grads: list[Tensor], rounds: int, warmup: int, samples: int,
-    device: torch.device, verbose: bool = True,
+    cases: list[Case],
+    params: list[Tensor],
+    grads: list[Tensor],
+    rounds: int,
+    warmup: int,
+    samples: int,
+    device: torch.device,
+    verbose: bool = True,
 ) -> None:
     """Interleaved rounds over all cases; a case that raises is skipped with its reason."""
     for round_index in range(rounds):
@@ -336,8 +355,11 @@ def measure(
                 case.skipped = f"{type(error).__name__}: {error}".splitlines()[0][:200]
             if verbose:
                 status = case.skipped or f"{case.samples_ms[-1]:.1f} ms"
-                print(f"  round {round_index + 1}/{rounds} {label(case):<44} {status} "
-                      f"({time.perf_counter() - begin:.1f} s)", flush=True)
+                print(
+                    f"  round {round_index + 1}/{rounds} {label(case):<44} {status} "
+                    f"({time.perf_counter() - begin:.1f} s)",
+                    flush=True,
+                )
 
 
 def label(case: Case) -> str:
@@ -353,8 +375,15 @@ def measured(cases: list[Case]) -> list[Case]:
 def make_records(cases: list[Case], device_name: str, model: str) -> list[Record]:
     """One record per measured case: the minimum of its samples (see the module docstring)."""
     return [
-        Record(device=device_name, model=model, optimizer=c.optimizer, solver=c.solver, dtype=c.dtype,
-               block_size=c.block_size, step_ms=float(min(c.samples_ms)))
+        Record(
+            device=device_name,
+            model=model,
+            optimizer=c.optimizer,
+            solver=c.solver,
+            dtype=c.dtype,
+            block_size=c.block_size,
+            step_ms=float(min(c.samples_ms)),
+        )
         for c in measured(cases)
     ]
 
@@ -378,11 +407,19 @@ def format_table(records: list[Record], spreads: list[float] | None = None) -> s
     header += ["spread"] if spreads is not None else []
     rows = []
     for index, (record, (vs_adamw, speedup)) in enumerate(zip(records, ratios(records))):
-        rows.append([
-            record.model, record.optimizer, record.solver or "-", record.dtype or "-",
-            "-" if record.block_size is None else str(record.block_size), f"{record.step_ms:.1f}",
-            "-" if vs_adamw is None else f"{vs_adamw:.1f}", "-" if speedup is None else f"{speedup:.2f}",
-        ] + ([f"{spreads[index]:.2f}"] if spreads is not None else []))
+        rows.append(
+            [
+                record.model,
+                record.optimizer,
+                record.solver or "-",
+                record.dtype or "-",
+                "-" if record.block_size is None else str(record.block_size),
+                f"{record.step_ms:.1f}",
+                "-" if vs_adamw is None else f"{vs_adamw:.1f}",
+                "-" if speedup is None else f"{speedup:.2f}",
+            ]
+            + ([f"{spreads[index]:.2f}"] if spreads is not None else [])
+        )
     return format_columns(header, rows)
 
 
@@ -394,18 +431,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
-    parser.add_argument("--model", choices=sorted(MODELS), default=None,
-                        help="parameter shapes (default: gpt-2.5m on CPU, gpt2-125m on GPU)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="parameter shapes (default: gpt-2.5m on CPU, gpt2-125m on GPU)",
+    )
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--solvers", nargs="+", choices=INVERSE_ROOT_METHODS, default=list(INVERSE_ROOT_METHODS))
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPE_NAMES, default=None,
-                        help="solver matmul dtypes (default: float32 bfloat16; float16 matmuls are ~20x "
-                             "slower on CPU, add it explicitly)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="solver matmul dtypes (default: float32 bfloat16; float16 matmuls are ~20x "
+        "slower on CPU, add it explicitly)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 2 CPU, 3 GPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per round (default: 1 CPU, 3 GPU)")
     parser.add_argument("--samples", type=int, default=None, help="timed samples per round (default: 1 CPU, 5 GPU)")
-    parser.add_argument("--loop-rounds", type=int, default=None,
-                        help="rounds in which shampoo_loop is timed (default: every round on CPU, 1 on GPU)")
+    parser.add_argument(
+        "--loop-rounds",
+        type=int,
+        default=None,
+        help="rounds in which shampoo_loop is timed (default: every round on CPU, 1 on GPU)",
+    )
     parser.add_argument("--no-loop", action="store_true", help="leave out the shampoo_loop baseline")
     parser.add_argument("--no-third-party", action="store_true", help="leave out heavyball and pytorch_optimizer")
     args = parser.parse_args(argv)
@@ -433,17 +483,21 @@ def main(argv: list[str] | None = None) -> None:
     max_dim = max(max(s) for _, s in shapes)
     params, grads = make_parameters(shapes, device)
     cases, notes = build_cases(args, max_dim)
-    print(f"{args.model}: {parameter_count(shapes) / 1e6:.1f}M parameters in {len(shapes)} tensors on {device_name} "
-          f"(torch {torch.__version__}, {torch.get_num_threads()} threads); AdamW: {adamw_kind(device)}")
+    print(
+        f"{args.model}: {parameter_count(shapes) / 1e6:.1f}M parameters in {len(shapes)} tensors on {device_name} "
+        f"(torch {torch.__version__}, {torch.get_num_threads()} threads); AdamW: {adamw_kind(device)}"
+    )
     for note in notes:
         print(f"note: {note}")
     print(f"{len(cases)} configurations x {args.rounds} rounds (warm-up {args.warmup}, samples {args.samples})")
     start = time.perf_counter()
     measure(cases, params, grads, args.rounds, args.warmup, args.samples, device)
     records = make_records(cases, device_name, args.model)
-    print(f"\nmeasured in {time.perf_counter() - start:.0f} s; step ms: minimum over samples; loop / DASH: "
-          "shampoo_loop's time over DASH's (same solver, dtype, block); dash_f10 is amortised over its 10-step "
-          "period; spread: max / min of the samples\n")
+    print(
+        f"\nmeasured in {time.perf_counter() - start:.0f} s; step ms: minimum over samples; loop / DASH: "
+        "shampoo_loop's time over DASH's (same solver, dtype, block); dash_f10 is amortised over its 10-step "
+        "period; spread: max / min of the samples\n"
+    )
     print(format_table(records, [max(c.samples_ms) / min(c.samples_ms) for c in measured(cases)]))
     for case in cases:
         if case.skipped:

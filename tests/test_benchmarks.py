@@ -25,12 +25,23 @@ from _shampoo_loop import ShampooLoop, block_slices
 from lightning_dash import DASH
 
 STEP_TIME_KEYS = {
-    "device": str, "model": str, "optimizer": str, "solver": (str, type(None)), "dtype": (str, type(None)),
-    "block_size": (int, type(None)), "step_ms": float,
+    "device": str,
+    "model": str,
+    "optimizer": str,
+    "solver": (str, type(None)),
+    "dtype": (str, type(None)),
+    "block_size": (int, type(None)),
+    "step_ms": float,
 }
 CONVERGENCE_KEYS = {
-    "device": str, "optimizer": str, "lr": float, "seed": int, "steps": int, "final_val_loss": float,
-    "steps_to_adamw_final": (int, type(None)), "wall_s": float,
+    "device": str,
+    "optimizer": str,
+    "lr": float,
+    "seed": int,
+    "steps": int,
+    "final_val_loss": float,
+    "steps_to_adamw_final": (int, type(None)),
+    "wall_s": float,
 }
 
 
@@ -55,8 +66,14 @@ def test_shampoo_loop_matches_dash(method):
     shapes = [(40, 24), (24,), (70, 30), (30, 70), (5, 3, 4)]
     initial = [torch.randn(shape) for shape in shapes]
     gradients = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
-    options = {"lr": 0.01, "weight_decay": 0.1, "epsilon": 1e-6, "block_size": 32, "precondition_frequency": 1,
-                   "inverse_root_method": method}
+    options = {
+        "lr": 0.01,
+        "weight_decay": 0.1,
+        "epsilon": 1e-6,
+        "block_size": 32,
+        "precondition_frequency": 1,
+        "inverse_root_method": method,
+    }
     batched = [p.clone().requires_grad_() for p in initial]
     looped = [p.clone().requires_grad_() for p in initial]
     dash, loop = DASH(batched, **options), ShampooLoop(looped, **options)
@@ -87,14 +104,32 @@ def test_shampoo_loop_skips_roots_between_refreshes():
 
 
 def test_step_time_records_have_the_documented_layout(tmp_path):
-    args = step_time.parse_args(["--device", "cpu", "--block-sizes", "8", "--solvers", "eigh", "newton_db",
-                                 "--dtypes", "float32", "--rounds", "1", "--warmup", "1", "--samples", "1",
-                                 "--no-third-party", "--out", str(tmp_path)])
+    args = step_time.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--block-sizes",
+            "8",
+            "--solvers",
+            "eigh",
+            "newton_db",
+            "--dtypes",
+            "float32",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--samples",
+            "1",
+            "--no-third-party",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     shapes = step_time.gpt_parameter_shapes(step_time.GPTShape(width=8, layers=1, vocab=16, context=4))
     params, grads = step_time.make_parameters(shapes, torch.device("cpu"))
     cases, _ = step_time.build_cases(args, max(max(s) for _, s in shapes))
-    step_time.measure(cases, params, grads, args.rounds, args.warmup, args.samples, torch.device("cpu"),
-                      verbose=False)
+    step_time.measure(cases, params, grads, args.rounds, args.warmup, args.samples, torch.device("cpu"), verbose=False)
     records = step_time.make_records(cases, "cpu", "tiny")
     names = [(r.optimizer, r.solver, r.block_size) for r in records]
     assert ("adamw", None, None) in names
@@ -116,8 +151,18 @@ def test_gpu_labels():
 
 
 def test_convergence_records_have_the_documented_layout(tmp_path):
-    settings = convergence.Settings(steps=4, warmup=2, batch_size=4, context=8, width=8, depth=1, heads=2,
-                                    eval_every=2, eval_batches=1, corpus_bytes=100_000)
+    settings = convergence.Settings(
+        steps=4,
+        warmup=2,
+        batch_size=4,
+        context=8,
+        width=8,
+        depth=1,
+        heads=2,
+        eval_every=2,
+        eval_batches=1,
+        corpus_bytes=100_000,
+    )
     corpus = convergence.load_stdlib_corpus(max_bytes=settings.corpus_bytes)
     cpu = torch.device("cpu")
     grid = [("adamw", 1e-3, 0), ("adamw", 3e-3, 0), ("dash", 3e-3, 0), ("adamw", 3e-3, 1), ("dash", 3e-3, 1)]
@@ -179,15 +224,39 @@ def test_compare_revisions_summary_pairs_rounds():
     import compare_revisions
 
     def run(round_, revision, adamw_ms, dash_ms=None):
-        records = [{"device": "cpu", "model": "m", "optimizer": "adamw", "solver": None, "dtype": None,
-                    "block_size": None, "step_ms": adamw_ms}]
+        records = [
+            {
+                "device": "cpu",
+                "model": "m",
+                "optimizer": "adamw",
+                "solver": None,
+                "dtype": None,
+                "block_size": None,
+                "step_ms": adamw_ms,
+            }
+        ]
         if dash_ms is not None:
-            records.append({"device": "cpu", "model": "m", "optimizer": "dash", "solver": "eigh", "dtype": "float32",
-                            "block_size": 32, "step_ms": dash_ms})
+            records.append(
+                {
+                    "device": "cpu",
+                    "model": "m",
+                    "optimizer": "dash",
+                    "solver": "eigh",
+                    "dtype": "float32",
+                    "block_size": 32,
+                    "step_ms": dash_ms,
+                }
+            )
         return {"round": round_, "revision": revision, "wall_s": 1.0, "records": records, "skipped": []}
 
-    runs = [run(1, "before", 1.0, 10.0), run(1, "after", 2.0, 12.0), run(2, "before", 2.0, 10.0),
-            run(2, "after", 2.0), run(3, "before", 4.0, 30.0), run(3, "after", 2.0, 15.0)]
+    runs = [
+        run(1, "before", 1.0, 10.0),
+        run(1, "after", 2.0, 12.0),
+        run(2, "before", 2.0, 10.0),
+        run(2, "after", 2.0),
+        run(3, "before", 4.0, 30.0),
+        run(3, "after", 2.0, 15.0),
+    ]
     adamw, dash = compare_revisions.summarize(runs, rounds=3)
     assert adamw["before_ms"] == [1.0, 2.0, 4.0] and adamw["after_ms"] == [2.0, 2.0, 2.0]
     assert adamw["before_median_ms"] == 2.0 and adamw["ratio"] == 1.0
@@ -213,9 +282,29 @@ def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
         pytest.skip("not a git checkout")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny tensors: a second thread only waits on a busy machine
     out = tmp_path / "compare.json"
-    report = compare_revisions.main(["--before", "HEAD", "--rounds", "1", "--out", str(out), "--",
-                                     "--model", "gpt-tiny", "--block-sizes", "32", "--solvers", "eigh",
-                                     "--dtypes", "float32", "--warmup", "0", "--samples", "1"])
+    report = compare_revisions.main(
+        [
+            "--before",
+            "HEAD",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--",
+            "--model",
+            "gpt-tiny",
+            "--block-sizes",
+            "32",
+            "--solvers",
+            "eigh",
+            "--dtypes",
+            "float32",
+            "--warmup",
+            "0",
+            "--samples",
+            "1",
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert set(report) == {"before", "after", "machine", "step_time_args", "runs", "cases"}
     assert len(report["before"]["commit"]) == 40 and report["after"]["rev"] == "working tree"
@@ -225,5 +314,8 @@ def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
     for record in report["runs"][0]["records"]:
         check_layout(record, STEP_TIME_KEYS)
     assert [compare_revisions.case_label(compare_revisions.case_key(c)) for c in report["cases"]] == [
-        "adamw", "dash eigh float32 b32", "dash_f10 newton_db float32 b32"]
+        "adamw",
+        "dash eigh float32 b32",
+        "dash_f10 newton_db float32 b32",
+    ]
     assert all(c["ratio"] > 0 and len(c["before_ms"]) == 1 for c in report["cases"])

@@ -82,8 +82,10 @@ def main() -> None:
             print(f"{timestamp.batch.value:>6} | {value:>24.4f}")
         if "dash/optimizer_step_ms" in memory.data:
             step_ms = [value for _, value in memory.data["dash/optimizer_step_ms"]]
-            print(f"DASH optimizer step: median {sorted(step_ms)[len(step_ms) // 2]:.1f} ms, "
-                  f"root failures {trainer.state.optimizers[0].root_failure_count}")
+            print(
+                f"DASH optimizer step: median {sorted(step_ms)[len(step_ms) // 2]:.1f} ms, "
+                f"root failures {trainer.state.optimizers[0].root_failure_count}"
+            )
     trainer.close()
 
 

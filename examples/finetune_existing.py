@@ -19,8 +19,9 @@ To resume a DASH run later, ``ckpt_path=`` works as usual (DASH's state is check
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,7 +31,7 @@ import lightning_dash  # noqa: F401  (registers strategy="dash")
 from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrain-steps", type=int, default=500, help="AdamW steps of the existing model")
     parser.add_argument("--finetune-steps", type=int, default=200, help="DASH steps from its checkpoint")
@@ -52,24 +53,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def trainer(args: argparse.Namespace, name: str, steps: int, strategy: str, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=steps, max_epochs=1,
-        val_check_interval=steps, num_sanity_val_steps=0, log_every_n_steps=10,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=1,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
         logger=CSVLogger(args.out / "finetune_existing", name=name),
-        enable_progress_bar=not args.no_progress_bar, enable_model_summary=False, **kwargs,
+        enable_progress_bar=not args.no_progress_bar,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train with AdamW, fine-tune the checkpoint with DASH; return the losses and the DASH trainer."""
     args = parse_args(argv)
-    data = dict(context=args.context, batch_size=args.batch_size, val_windows=args.val_windows,
-                max_bytes=args.max_bytes)
+    data = dict(
+        context=args.context, batch_size=args.batch_size, val_windows=args.val_windows, max_bytes=args.max_bytes
+    )
 
     # 1. The existing model and its usual training (AdamW, plain Trainer), checkpointed.
     existing = GPTModule(context=args.context, width=args.width, depth=args.depth, heads=args.heads, lr=args.lr)
     checkpoint = ModelCheckpoint(dirpath=args.out / "finetune_existing" / "checkpoints", monitor="val_loss")
-    pretrain = trainer(args, "adamw", args.pretrain_steps, "ddp" if args.devices > 1 else "auto",
-                       callbacks=[checkpoint])
+    pretrain = trainer(
+        args, "adamw", args.pretrain_steps, "ddp" if args.devices > 1 else "auto", callbacks=[checkpoint]
+    )
     pretrain.fit(existing, datamodule=StdlibBytes(steps=args.pretrain_steps, seed=0, **data))
 
     # 2. The same module class, weights from the checkpoint, fine-tuned under strategy="dash".
@@ -85,8 +96,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print(f"\ncheckpoint: {checkpoint.best_model_path}")
         print(f"validation loss before fine-tuning: {before:.4f}")
         print(f"validation loss after {args.finetune_steps} {optimizer} steps: {after:.4f}")
-    return {"before": before, "after": after, "optimizer": optimizer, "checkpoint": checkpoint.best_model_path,
-            "trainer": finetune}
+    return {
+        "before": before,
+        "after": after,
+        "optimizer": optimizer,
+        "checkpoint": checkpoint.best_model_path,
+        "trainer": finetune,
+    }
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateMonitor
@@ -43,7 +44,7 @@ from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, WallClock
 DEFAULT_LR = {"adamw": 6e-3, "dash": 1.2e-2}
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=800, help="optimizer steps per run")
     parser.add_argument("--batch-size", type=int, default=32, help="windows per device and step")
@@ -73,25 +74,47 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def fit(name: str, strategy: Union[str, Strategy], lr: float, args: argparse.Namespace) -> tuple[pl.Trainer, float]:
+def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace) -> tuple[pl.Trainer, float]:
     """One run; returns its trainer and the wall time of ``trainer.fit``."""
-    module = GPTModule(context=args.context, width=args.width, depth=args.depth, heads=args.heads, lr=lr,
-                       weight_decay=args.weight_decay, warmup_fraction=args.warmup_fraction, seed=args.seed)
-    data = StdlibBytes(context=args.context, batch_size=args.batch_size, steps=args.steps,
-                       val_windows=args.val_windows, max_bytes=args.max_bytes, seed=args.seed)
+    module = GPTModule(
+        context=args.context,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        lr=lr,
+        weight_decay=args.weight_decay,
+        warmup_fraction=args.warmup_fraction,
+        seed=args.seed,
+    )
+    data = StdlibBytes(
+        context=args.context,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        val_windows=args.val_windows,
+        max_bytes=args.max_bytes,
+        seed=args.seed,
+    )
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
-        max_steps=args.steps, max_epochs=1, val_check_interval=args.val_every, num_sanity_val_steps=0,
-        log_every_n_steps=min(10, args.val_every), logger=CSVLogger(args.out, name=name),
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        max_epochs=1,
+        val_check_interval=args.val_every,
+        num_sanity_val_steps=0,
+        log_every_n_steps=min(10, args.val_every),
+        logger=CSVLogger(args.out, name=name),
         callbacks=[WallClock(), LearningRateMonitor(logging_interval="step")],
-        enable_checkpointing=False, enable_progress_bar=not args.no_progress_bar,
+        enable_checkpointing=False,
+        enable_progress_bar=not args.no_progress_bar,
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     return trainer, time.perf_counter() - start
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run AdamW and DASH; print, save and return the comparison (rank 0 only)."""
     args = parse_args(argv)
     given = {"adamw": args.lr_adamw, "dash": args.lr_dash}
@@ -109,17 +132,28 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rows = report.compare(histories, [lrs[name] for name in runs], paths)
     print(f"\n{report.format_table(rows)}")
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    config.update(lr_adamw=lrs["adamw"], lr_dash=lrs["dash"],
-                  fit_seconds={name: round(seconds, 2) for name, (_, seconds) in runs.items()},
-                  optimizers={name: type(trainer.optimizers[0]).__name__ for name, (trainer, _) in runs.items()})
+    config.update(
+        lr_adamw=lrs["adamw"],
+        lr_dash=lrs["dash"],
+        fit_seconds={name: round(seconds, 2) for name, (_, seconds) in runs.items()},
+        optimizers={name: type(trainer.optimizers[0]).__name__ for name, (trainer, _) in runs.items()},
+    )
     table_path, plot_path = args.out / "train_char_gpt.json", args.out / "train_char_gpt.png"
     report.write_json(rows, config, table_path)
-    title = (f"byte-level GPT on stdlib source: width {args.width}, depth {args.depth}, context {args.context}, "
-             f"batch {args.batch_size} x {args.devices}, lr AdamW {lrs['adamw']:g}, DASH {lrs['dash']:g}")
+    title = (
+        f"byte-level GPT on stdlib source: width {args.width}, depth {args.depth}, context {args.context}, "
+        f"batch {args.batch_size} x {args.devices}, lr AdamW {lrs['adamw']:g}, DASH {lrs['dash']:g}"
+    )
     report.plot(histories, plot_path, title)
     print(f"\nlogs: {', '.join(map(str, paths))}\ntable: {table_path}\nplot: {plot_path}")
-    return {"rows": rows, "histories": histories, "config": config, "table": table_path, "plot": plot_path,
-            "trainers": {name: trainer for name, (trainer, _) in runs.items()}}
+    return {
+        "rows": rows,
+        "histories": histories,
+        "config": config,
+        "table": table_path,
+        "plot": plot_path,
+        "trainers": {name: trainer for name, (trainer, _) in runs.items()},
+    }
 
 
 if __name__ == "__main__":

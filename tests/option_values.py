@@ -75,5 +75,9 @@ def user_optimizer() -> torch.optim.Optimizer:
     """AdamW over two parameter groups, as a model's ``configure_optimizers`` would build it."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 2))
-    return torch.optim.AdamW([{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 0.02}],
-                             lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    return torch.optim.AdamW(
+        [{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 0.02}],
+        lr=0.01,
+        betas=(0.9, 0.99),
+        weight_decay=0.01,
+    )

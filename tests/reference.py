@@ -86,12 +86,19 @@ class ReferenceDash:
         weight.mul_(1 - self.lr * self.weight_decay)
         for key, (rs, cs) in enumerate(tiles(rows, cols, self.block_size)):
             g = gradient[rs, cs]
-            st = blocks.setdefault(key, {
-                "t": 0, "m": torch.zeros_like(g), "v": torch.zeros_like(g),
-                "L": torch.zeros(g.shape[0], g.shape[0], dtype=torch.float64),
-                "R": torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64),
-                "Lr": None, "Rr": None, "pending": None,
-            })
+            st = blocks.setdefault(
+                key,
+                {
+                    "t": 0,
+                    "m": torch.zeros_like(g),
+                    "v": torch.zeros_like(g),
+                    "L": torch.zeros(g.shape[0], g.shape[0], dtype=torch.float64),
+                    "R": torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64),
+                    "Lr": None,
+                    "Rr": None,
+                    "pending": None,
+                },
+            )
             st["t"] += 1
             t, b2 = st["t"], self.betas[1]
             start, freq = self.start_preconditioning_step, self.precondition_frequency

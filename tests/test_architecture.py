@@ -32,16 +32,25 @@ def imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "optim").glob("*.py")), ids=lambda p: p.name)
 def test_optim_imports_neither_communication_nor_trainers(path):
-    forbidden = [m for m in imported_modules(path)
-                 if m.startswith("lightning_dash.") and not m.startswith("lightning_dash.optim")
-                 or m.split(".")[0] in TRAINERS or m.startswith("torch.distributed")]
+    forbidden = [
+        m
+        for m in imported_modules(path)
+        if m.startswith("lightning_dash.")
+        and not m.startswith("lightning_dash.optim")
+        or m.split(".")[0] in TRAINERS
+        or m.startswith("torch.distributed")
+    ]
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "distributed").glob("*.py")), ids=lambda p: p.name)
 def test_distributed_imports_no_trainer(path):
-    forbidden = [m for m in imported_modules(path) if m.split(".")[0] in TRAINERS
-                 or m.startswith(("lightning_dash.strategies", "lightning_dash.callbacks", "lightning_dash.composer"))]
+    forbidden = [
+        m
+        for m in imported_modules(path)
+        if m.split(".")[0] in TRAINERS
+        or m.startswith(("lightning_dash.strategies", "lightning_dash.callbacks", "lightning_dash.composer"))
+    ]
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 

@@ -1,7 +1,7 @@
 """Asynchronous preconditioning (``async_preconditioning=True``, ``max_staleness=k``).
 
 On CPU the option is the synchronous path, bit for bit. The staleness bookkeeping is
-tested on CPU through the pipeline's deterministic emulation (``_pipeline.emulate``:
+tested on CPU through the pipeline's deterministic emulation (``roots.pipeline.emulate``:
 roots computed at launch, swapped in at the deadline), against the float64 reference
 with the same root delay. The CUDA tests (marked ``cuda``) compare the side-stream runs
 with that emulation and with the reference.
@@ -20,11 +20,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, DashStrategy
 from lightning_dash.optim.roots import RootResult, inverse_root
-from reference import ReferenceDash
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -75,10 +75,14 @@ def preconditioned(opt) -> tuple[int, int]:
 # --------------------------------------------------------------------------- options
 @pytest.mark.parametrize(
     "kwargs,name",
-    [(dict(async_preconditioning=1), "async_preconditioning"),
-     (dict(async_preconditioning="yes"), "async_preconditioning"),
-     (dict(max_staleness=0), "max_staleness"), (dict(max_staleness=1.5), "max_staleness"),
-     (dict(max_staleness=True), "max_staleness"), (dict(max_staleness="2"), "max_staleness")],
+    [
+        (dict(async_preconditioning=1), "async_preconditioning"),
+        (dict(async_preconditioning="yes"), "async_preconditioning"),
+        (dict(max_staleness=0), "max_staleness"),
+        (dict(max_staleness=1.5), "max_staleness"),
+        (dict(max_staleness=True), "max_staleness"),
+        (dict(max_staleness="2"), "max_staleness"),
+    ],
 )
 def test_invalid_options_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -89,9 +93,9 @@ def test_invalid_options_name_the_argument(kwargs, name):
 
 def test_strategy_passes_the_options_to_dash():
     strategy = DashStrategy(async_preconditioning=True, max_staleness=3)
-    converted = strategy._convert(torch.optim.AdamW(make_model().parameters()))
+    converted = strategy.conversion.convert(torch.optim.AdamW(make_model().parameters()))
     assert converted.async_preconditioning is True and converted.max_staleness == 3
-    assert "async_preconditioning" not in DashStrategy().dash_options
+    assert "async_preconditioning" not in DashStrategy().conversion.overrides
 
 
 # --------------------------------------------------------------------------- CPU: synchronous
@@ -119,12 +123,12 @@ def run_against_reference(staleness, frequency, steps=7, emulate=True, device="c
     shapes = [(12, 8), (7, 5), (8,)]
     generator = torch.Generator().manual_seed(11)
     initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
-    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
-             for _ in range(steps)]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(steps)]
     options = dict(lr=0.01, epsilon=0.1, weight_decay=0.1, precondition_frequency=frequency)
     params = [nn.Parameter(x.float().to(device)) for x in initial]
-    opt = DASH(params, block_size=4, inverse_root_method="eigh", async_preconditioning=True,
-               max_staleness=staleness, **options)
+    opt = DASH(
+        params, block_size=4, inverse_root_method="eigh", async_preconditioning=True, max_staleness=staleness, **options
+    )
     opt.roots.pipeline.emulate = emulate
     opt.roots.pipeline.swap_when_ready = False
     delayed = ReferenceDash(block_size=4, root_delay=staleness, **options)
@@ -199,10 +203,10 @@ class FakeStream:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         self.log.append(("wait_stream", self.name, other.name))
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         self.log.append(("wait_event", self.name, event.number))
 
 
@@ -220,7 +224,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.ready = True
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return 5.0
 
 
@@ -308,8 +312,9 @@ def test_stream_protocol_with_fake_cuda():
 
     # The same schedule as the emulation that swaps at step 3 (staleness 2).
     emulated = make_model()
-    train(emulated, dash(emulated, emulate=True, precondition_frequency=4, async_preconditioning=True,
-                         max_staleness=2), 3)
+    train(
+        emulated, dash(emulated, emulate=True, precondition_frequency=4, async_preconditioning=True, max_staleness=2), 3
+    )
     for a, b in zip(model.parameters(), emulated.parameters()):
         assert torch.equal(a, b)
 
@@ -317,8 +322,11 @@ def test_stream_protocol_with_fake_cuda():
     assert opt.async_roots_waited == 1 and opt.async_wait_ms == 5.0
     stall = [entry for entry in ops.log if entry[0] in ("record_event", "wait_event") and entry[1] == "main"]
     launch_event = ops.events[1].number
-    assert stall[-3:] == [("record_event", "main", launch_event + 1), ("wait_event", "main", launch_event),
-                          ("record_event", "main", launch_event + 2)]
+    assert stall[-3:] == [
+        ("record_event", "main", launch_event + 1),
+        ("wait_event", "main", launch_event),
+        ("record_event", "main", launch_event + 2),
+    ]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -396,9 +404,18 @@ class SmallModule(pl.LightningModule):
 
 def lightning_run(tmp_path, **options) -> list[torch.Tensor]:
     module = SmallModule(**options)
-    pl.Trainer(accelerator="cpu", devices=1, max_steps=3, precision="bf16-mixed", accumulate_grad_batches=2,
-               logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-               default_root_dir=tmp_path).fit(module)
+    pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        precision="bf16-mixed",
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(module)
     return [p.detach().clone() for p in module.parameters()]
 
 
@@ -410,10 +427,9 @@ def test_bf16_mixed_accumulation_and_compile_on_cpu_equal_the_option_off(tmp_pat
 
 # --------------------------------------------------------------------------- two processes
 def two_process_run(tmp_path, name: str, emulate: bool = False, **options) -> list[torch.Tensor]:
-    from test_strategy import configure, release_process_group, trainer
+    from test_strategy import DASH_OPTIONS, release_process_group, trainer
 
-    run = trainer(2, 3, tmp_path, strategy=DashStrategy(start_method="spawn", **options))
-    configure(run)  # block_size=16, precondition_frequency=2, epsilon=1e-4
+    run = trainer(2, 3, tmp_path, strategy=DashStrategy(start_method="spawn", **{**DASH_OPTIONS, **options}))
     path = tmp_path / f"{name}.pt"
     run.fit(FinalParameters(str(path), emulate))
     release_process_group()
@@ -485,7 +501,7 @@ class FinalParameters(pl.LightningModule):
 
     def on_train_end(self):
         optimizer = self.trainer.optimizers[0]
-        assert optimizer.distributor is not None
+        assert optimizer.distributor.world_size == 2
         if self.emulate:
             assert optimizer.async_roots_hidden > 0
         if self.trainer.global_rank == 0:
@@ -506,7 +522,12 @@ def test_benchmark_smoke_run_writes_the_record_layout(tmp_path):
     module.main(["--smoke", "--device", "cpu", "--output", str(output)])
     records = json.loads(output.read_text())
     assert [(r["optimizer"], r["precondition_frequency"]) for r in records] == [
-        ("adamw", None), ("dash_sync", 1), ("dash_async", 1), ("dash_sync", 10), ("dash_async", 10)]
+        ("adamw", None),
+        ("dash_sync", 1),
+        ("dash_async", 1),
+        ("dash_sync", 10),
+        ("dash_async", 10),
+    ]
     for record in records:
         assert set(record) == {"device", "optimizer", "precondition_frequency", "step_ms"}
         assert record["device"] == "cpu" and record["step_ms"] > 0

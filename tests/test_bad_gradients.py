@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, RootComputationError
-from reference import ReferenceDash
 
 SOLVERS = ("eigh", "newton_db", "coupled_newton", "chebyshev")
 
@@ -102,8 +102,9 @@ def test_the_direction_does_not_depend_on_the_loss_scale(solver):
     def train(loss_scale: float) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-        optimizer = DASH(model.parameters(), lr=1e-2, block_size=8, precondition_frequency=2,
-                         inverse_root_method=solver, **options)
+        optimizer = DASH(
+            model.parameters(), lr=1e-2, block_size=8, precondition_frequency=2, inverse_root_method=solver, **options
+        )
         data = torch.Generator().manual_seed(1)
         for _ in range(6):
             x = torch.randn(32, 8, generator=data)
@@ -142,8 +143,13 @@ def test_eigh_failures_keep_the_roots_then_raise_before_anything_changes_and_rec
     monkeypatch.setattr(torch.linalg, "eigh", eigh)
     model = nn.Linear(6, 4)
     params = list(model.parameters())
-    optimizer = DASH(model.named_parameters(), lr=0.01, inverse_root_method="eigh", precondition_frequency=1,
-                     max_consecutive_root_failures=2)
+    optimizer = DASH(
+        model.named_parameters(),
+        lr=0.01,
+        inverse_root_method="eigh",
+        precondition_frequency=1,
+        max_consecutive_root_failures=2,
+    )
     generator = torch.Generator().manual_seed(0)
 
     def step() -> None:
@@ -178,8 +184,15 @@ def test_a_newton_root_that_did_not_converge_counts_as_failed():
     generator = torch.Generator().manual_seed(0)
     param = nn.Parameter(torch.zeros(24, 24))
     # One iteration per pass cannot resolve a damping of 1e-6: the residual stays near 1.
-    optimizer = DASH([param], lr=0.01, epsilon=1e-6, inverse_root_method="newton_db", root_iterations=1,
-                     precondition_frequency=1, max_consecutive_root_failures=None)
+    optimizer = DASH(
+        [param],
+        lr=0.01,
+        epsilon=1e-6,
+        inverse_root_method="newton_db",
+        root_iterations=1,
+        precondition_frequency=1,
+        max_consecutive_root_failures=None,
+    )
     param.grad = torch.randn(24, 24, generator=generator)
     optimizer.step()
     assert optimizer.root_failure_count == 1
@@ -208,8 +221,9 @@ def test_float64_parameters_are_updated_in_float64(solver):
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(9, 6, generator=generator, dtype=torch.float64) for _ in range(3)]
     # eigh: exact; newton_db: iterated to float64 roundoff.
-    actual, expected, optimizer = run_against_reference(grads, solver, dtype=torch.float64, epsilon=1e-3,
-                                                        root_iterations=30 if solver == "newton_db" else None)
+    actual, expected, optimizer = run_against_reference(
+        grads, solver, dtype=torch.float64, epsilon=1e-3, root_iterations=30 if solver == "newton_db" else None
+    )
     assert actual.dtype == torch.float64
     assert relative_difference(actual, expected) < 1e-9
     state = optimizer.state_dict()["state"][0]

@@ -24,7 +24,10 @@ def test_tile_shapes_follow_the_blocking_rule():
     assert [(r.block_shape, r.num_blocks) for r in regions] == [((1024, 17), 1), ((6, 17), 1)]
     regions = param_regions(0, (2500, 2100), 1024)
     assert [(r.block_shape, r.num_blocks) for r in regions] == [
-        ((1024, 1024), 4), ((1024, 52), 2), ((452, 1024), 2), ((452, 52), 1)
+        ((1024, 1024), 4),
+        ((1024, 52), 2),
+        ((452, 1024), 2),
+        ((452, 52), 1),
     ]
 
 
@@ -40,13 +43,16 @@ def plan_stacks(shapes, block_size):
 
 def test_stacks_gather_tiles_of_all_parameters_in_order():
     generator = torch.Generator().manual_seed(0)
-    matrices = {0: torch.randn(8, 12, generator=generator), 1: torch.randn(4, 4, generator=generator),
-                2: torch.randn(9, 4, generator=generator)}
+    matrices = {
+        0: torch.randn(8, 12, generator=generator),
+        1: torch.randn(4, 4, generator=generator),
+        2: torch.randn(9, 4, generator=generator),
+    }
     stacks = plan_stacks({k: tuple(v.shape) for k, v in matrices.items()}, block_size=4)
     assert {shape: plan.num_blocks for shape, plan in stacks.items()} == {(4, 4): 6 + 1 + 2, (1, 4): 1}
     gathered = stacks[(4, 4)].gather(matrices)
-    expected = [matrices[0][r:r + 4, c:c + 4] for r in (0, 4) for c in (0, 4, 8)]
-    expected += [matrices[1]] + [matrices[2][r:r + 4] for r in (0, 4)]
+    expected = [matrices[0][r : r + 4, c : c + 4] for r in (0, 4) for c in (0, 4, 8)]
+    expected += [matrices[1]] + [matrices[2][r : r + 4] for r in (0, 4)]
     torch.testing.assert_close(gathered, torch.stack(expected))
     torch.testing.assert_close(stacks[(1, 4)].gather(matrices), matrices[2][8:].unsqueeze(0))
 

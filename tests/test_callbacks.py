@@ -49,8 +49,9 @@ class TinyModule(pl.LightningModule):
     and the parameters right after it.
     """
 
-    def __init__(self, optimizer: str = "dash", nan_at_step: int | None = None, batch_size: int = 8,
-                 **dash_options: Any) -> None:
+    def __init__(
+        self, optimizer: str = "dash", nan_at_step: int | None = None, batch_size: int = 8, **dash_options: Any
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
@@ -76,16 +77,18 @@ class TinyModule(pl.LightningModule):
         return DASH(groups, **self.dash_options)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.records.append({
-            "step": self.trainer.global_step,
-            "blend": [g["shampoo_blend"] for g in optimizer.param_groups],
-            "frequency": [g["precondition_frequency"] for g in optimizer.param_groups],
-            "start": [g["start_preconditioning_step"] for g in optimizer.param_groups],
-            "lr": [g["lr"] for g in optimizer.param_groups],
-            "grafting": optimizer.grafting,
-            "before": [p.detach().clone() for p in self.parameters()],
-            "grads": [p.grad.detach().clone() for p in self.parameters()],
-        })
+        self.records.append(
+            {
+                "step": self.trainer.global_step,
+                "blend": [g["shampoo_blend"] for g in optimizer.param_groups],
+                "frequency": [g["precondition_frequency"] for g in optimizer.param_groups],
+                "start": [g["start_preconditioning_step"] for g in optimizer.param_groups],
+                "lr": [g["lr"] for g in optimizer.param_groups],
+                "grafting": optimizer.grafting,
+                "before": [p.detach().clone() for p in self.parameters()],
+                "grads": [p.grad.detach().clone() for p in self.parameters()],
+            }
+        )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         record = self.records[-1] if self.records else None
@@ -115,8 +118,9 @@ def make_trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback], **op
     return pl.Trainer(**settings)
 
 
-def fit(tmp_path: Path, max_steps: int, callbacks: list[Callback], module: TinyModule | None = None,
-        **options: Any) -> TinyModule:
+def fit(
+    tmp_path: Path, max_steps: int, callbacks: list[Callback], module: TinyModule | None = None, **options: Any
+) -> TinyModule:
     module = module if module is not None else TinyModule()
     make_trainer(tmp_path, max_steps, callbacks, **options).fit(module)
     return module
@@ -144,8 +148,9 @@ def test_ramp_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
 def test_blend_zero_takes_exactly_the_adam_step(tmp_path):
     grafted = fit(tmp_path, 1, [GraftingSchedule(start_step=5, span_steps=5)]).records[0]
     assert grafted["blend"] == [0.0, 0.0]
-    for before, grad, after, lr in zip(grafted["before"], grafted["grads"], grafted["after"],
-                                       [LR, LR, LR / 2, LR / 2], strict=True):
+    for before, grad, after, lr in zip(
+        grafted["before"], grafted["grads"], grafted["after"], [LR, LR, LR / 2, LR / 2], strict=True
+    ):
         # Step 1 from zero state, bias-corrected: m_hat = g, v_hat = g^2.
         adam = before - lr * grad / (grad.abs() + GRAFT_EPS)
         torch.testing.assert_close(after, adam, rtol=1e-6, atol=1e-7)
@@ -310,11 +315,16 @@ def test_monitor_logs_asynchronous_root_counters(tmp_path):
             pass  # TinyModule reads state_dict() here, which would swap pending roots in early
 
     def emulate(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.optimizers[0]._pipeline.emulate = True  # CPU stand-in for the side stream
+        trainer.optimizers[0].roots.pipeline.emulate = True  # CPU stand-in for the side stream
 
     logger = CSVLogger(tmp_path, name="async")
-    fit(tmp_path, 4, [LambdaCallback(on_train_start=emulate), DashMonitor()],
-        module=Quiet(async_preconditioning=True), logger=logger)
+    fit(
+        tmp_path,
+        4,
+        [LambdaCallback(on_train_start=emulate), DashMonitor()],
+        module=Quiet(async_preconditioning=True),
+        logger=logger,
+    )
     rows = [row for row in read_metrics(logger) if row.get("dash/optimizer_step_ms")]
     # Frequency 1, staleness 1: the roots of step t are swapped in at step t + 1, found ready.
     assert [float(row["dash/async_roots_hidden"]) for row in rows] == [0.0, 1.0, 2.0, 3.0]
@@ -363,8 +373,11 @@ def test_monitor_logs_the_shared_metrics_and_the_strategys_gradient_traffic(tmp_
         (lambda: PreconditionerSchedule([(0, 1), (0, 2)]), ValueError, "milestones"),
         (lambda: PreconditionerSchedule([(0, 1, 2)]), ValueError, "milestones"),
         (lambda: PreconditionerSchedule(5), TypeError, "milestones"),
-        (lambda: PreconditionerSchedule({0: 1}, start_preconditioning_step=0), ValueError,
-         "start_preconditioning_step"),
+        (
+            lambda: PreconditionerSchedule({0: 1}, start_preconditioning_step=0),
+            ValueError,
+            "start_preconditioning_step",
+        ),
         (lambda: DashMonitor(0), ValueError, "logging_interval"),
         (lambda: DashMonitor(True), TypeError, "logging_interval"),
     ],

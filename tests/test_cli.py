@@ -1,6 +1,6 @@
 """LightningCLI sets every DASH option of ``DashStrategy``, from a YAML config or from flags.
 
-Needs ``jsonargparse[signatures]`` (Lightning's CLI dependency); skipped without it.
+Needs ``jsonargparse[signatures]`` (Lightning's CLI dependency, in the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import yaml
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 from option_values import NON_DEFAULT, assert_carries, user_optimizer
 
 from lightning_dash import DashStrategy
 from lightning_dash.optim.config import OPTION_NAMES
-
-pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures]")
-from lightning.pytorch.cli import LightningCLI  # after the skip: it needs jsonargparse
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +28,13 @@ def program_name_only(monkeypatch):
 
 def strategy_from_cli(args: list[str]) -> DashStrategy:
     """The strategy of the Trainer a real LightningCLI builds from ``args`` (nothing is run)."""
-    cli = LightningCLI(BoringModel, run=False, args=args, save_config_callback=None,
-                       trainer_defaults={"accelerator": "cpu", "devices": 1, "logger": False})
+    cli = LightningCLI(
+        BoringModel,
+        run=False,
+        args=args,
+        save_config_callback=None,
+        trainer_defaults={"accelerator": "cpu", "devices": 1, "logger": False},
+    )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, DashStrategy)
     return strategy
@@ -58,13 +61,19 @@ def test_yaml_sets_every_option_under_config_or_as_keyword(tmp_path, name, place
 
 
 def test_flags_set_every_option_and_config_can_set_none(tmp_path):
-    keyword_flags = [f"--trainer.strategy.{name}={value if isinstance(value, str) else json.dumps(value)}"
-                     for name, value in NON_DEFAULT.items() if name != "max_consecutive_root_failures"]
-    args = ["--trainer.strategy=lightning_dash.DashStrategy", *keyword_flags,
-            # A dotted flag cannot give a nested option null (jsonargparse 4.53 passes it on as the
-            # string "None"); the whole config as one value can.
-            '--trainer.strategy.config={"max_consecutive_root_failures": null, "block_size": 64}',
-            "--trainer.strategy.start_method=spawn"]
+    keyword_flags = [
+        f"--trainer.strategy.{name}={value if isinstance(value, str) else json.dumps(value)}"
+        for name, value in NON_DEFAULT.items()
+        if name != "max_consecutive_root_failures"
+    ]
+    args = [
+        "--trainer.strategy=lightning_dash.DashStrategy",
+        *keyword_flags,
+        # A dotted flag cannot give a nested option null (jsonargparse 4.53 passes it on as the
+        # string "None"); the whole config as one value can.
+        '--trainer.strategy.config={"max_consecutive_root_failures": null, "block_size": 64}',
+        "--trainer.strategy.start_method=spawn",
+    ]
     strategy = strategy_from_cli(args)
     expected = {**NON_DEFAULT, "max_consecutive_root_failures": None}
     assert dict(strategy.conversion.overrides) == expected  # block_size: the keyword wins over config

@@ -15,9 +15,13 @@ def model() -> torch.nn.Module:
 
 def test_adamw_maps_onto_adam_grafting_and_shares_groups():
     net = model()
-    adamw = torch.optim.AdamW([{"params": net[0].parameters(), "lr": 0.1},
-                               {"params": net[1].parameters(), "weight_decay": 0.5}],
-                              lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    adamw = torch.optim.AdamW(
+        [{"params": net[0].parameters(), "lr": 0.1}, {"params": net[1].parameters(), "weight_decay": 0.5}],
+        lr=0.01,
+        betas=(0.8, 0.99),
+        eps=1e-6,
+        weight_decay=0.1,
+    )
     scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
     dash = DASH.from_optimizer(adamw, block_size=4, precondition_frequency=3)
     assert dash.grafting == "adam" and dash.block_size == 4
@@ -36,8 +40,10 @@ def test_first_step_from_adamw_with_blend_zero_is_adamws_step():
     reference, converted = model(), model()
     grads = [torch.randn_like(p) for p in reference.parameters()]
     adamw = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    dash = DASH.from_optimizer(torch.optim.AdamW(converted.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-8,
-                                                 weight_decay=0.1), shampoo_blend=0.0)
+    dash = DASH.from_optimizer(
+        torch.optim.AdamW(converted.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+        shampoo_blend=0.0,
+    )
     for p, q, g in zip(reference.parameters(), converted.parameters(), grads):
         p.grad, q.grad = g.clone(), g.clone()
     adamw.step()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import ReferenceDash, inverse_fourth_root
 
 from lightning_dash import DASH
-from reference import ReferenceDash, inverse_fourth_root
 
 
 def controlled_matrix(rows: int, cols: int, low: float, high: float, seed: int) -> torch.Tensor:
@@ -56,7 +56,13 @@ def test_raw_direction_is_left_and_right_inverse_fourth_roots(method, dtype, sca
     # above that so the exact expectation below is the one the solver targets.
     eps = {torch.float32: 0.05, torch.float16: 0.2, torch.bfloat16: 2.0}[dtype]
     direction = one_raw_step(
-        grad, epsilon=eps, relative_epsilon=False, inverse_root_method=method, matrix_scaling=scaling, matmul_dtype=dtype, block_size=64
+        grad,
+        epsilon=eps,
+        relative_epsilon=False,
+        inverse_root_method=method,
+        matrix_scaling=scaling,
+        matmul_dtype=dtype,
+        block_size=64,
     )
     expected = inverse_fourth_root(grad @ grad.T, eps) @ grad @ inverse_fourth_root(grad.T @ grad, eps)
     error = (direction - expected).norm() / expected.norm()
@@ -72,8 +78,14 @@ def test_first_step_is_the_polar_factor(method, tolerance):
     # (8 float32 roundoffs of the scale): Newton-DB needs 14 iterations per pass to
     # converge there (with 10 its residual would, rightly, count the root as failed).
     grad = controlled_matrix(16, 10, low=1.0, high=2.0, seed=5)
-    direction = one_raw_step(grad, epsilon=1e-10, relative_epsilon=False, inverse_root_method=method, block_size=64,
-                             root_iterations=14 if method == "newton_db" else None)
+    direction = one_raw_step(
+        grad,
+        epsilon=1e-10,
+        relative_epsilon=False,
+        inverse_root_method=method,
+        block_size=64,
+        root_iterations=14 if method == "newton_db" else None,
+    )
     u, _, vh = torch.linalg.svd(grad, full_matrices=False)
     polar = u @ vh
     assert (direction - polar).norm() / polar.norm() < tolerance
@@ -141,8 +153,16 @@ def test_grafting_norm_matches_its_optimizer(grafting):
     """Each block's step has the Frobenius norm of the grafting optimizer's step."""
     grad = controlled_matrix(6, 4, low=0.5, high=2.0, seed=1).float()
     weight = torch.nn.Parameter(torch.zeros(6, 4))
-    opt = DASH([weight], lr=1.0, betas=(0.0, 0.9), grafting=grafting, grafting_beta2=0.9,
-               grafting_epsilon=1e-8, block_size=2, epsilon=1e-6)
+    opt = DASH(
+        [weight],
+        lr=1.0,
+        betas=(0.0, 0.9),
+        grafting=grafting,
+        grafting_beta2=0.9,
+        grafting_epsilon=1e-8,
+        block_size=2,
+        epsilon=1e-6,
+    )
     weight.grad = grad
     opt.step()
     step = -weight.detach()
@@ -154,5 +174,5 @@ def test_grafting_norm_matches_its_optimizer(grafting):
         reference = grad
     for r in range(0, 6, 2):
         for c in range(0, 4, 2):
-            expected = reference[r:r + 2, c:c + 2].norm()
-            torch.testing.assert_close(step[r:r + 2, c:c + 2].norm(), expected, rtol=1e-4, atol=0)
+            expected = reference[r : r + 2, c : c + 2].norm()
+            torch.testing.assert_close(step[r : r + 2, c : c + 2].norm(), expected, rtol=1e-4, atol=0)

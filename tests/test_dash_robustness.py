@@ -158,8 +158,7 @@ def test_failure_without_previous_root_falls_back_to_grafting():
 
 def test_consecutive_failures_raise_naming_the_parameter():
     model = torch.nn.Linear(8, 8)
-    opt = DASH(list(model.named_parameters()), block_size=8, precondition_frequency=1,
-               max_consecutive_root_failures=2)
+    opt = DASH(list(model.named_parameters()), block_size=8, precondition_frequency=1, max_consecutive_root_failures=2)
     opt.roots.solver = failing_solver({1, 2})
     model.weight.grad, model.bias.grad = torch.randn(8, 8), torch.randn(8)
     opt.step()

@@ -13,8 +13,12 @@ from lightning_dash import DASH
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 6, 3), torch.nn.Flatten(), torch.nn.Linear(6 * 6 * 6, 40), torch.nn.ReLU(),
-        torch.nn.LayerNorm(40), torch.nn.Linear(40, 3),
+        torch.nn.Conv2d(3, 6, 3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(6 * 6 * 6, 40),
+        torch.nn.ReLU(),
+        torch.nn.LayerNorm(40),
+        torch.nn.Linear(40, 3),
     )
 
 
@@ -33,8 +37,14 @@ def train(model, opt, steps, start=0, skip_bias_at=None):
         opt.step()
 
 
-OPTIONS = dict(lr=0.01, block_size=32, precondition_frequency=3, inverse_root_method="newton_db",
-               matrix_scaling="power_iteration", weight_decay=0.01)
+OPTIONS = dict(
+    lr=0.01,
+    block_size=32,
+    precondition_frequency=3,
+    inverse_root_method="newton_db",
+    matrix_scaling="power_iteration",
+    weight_decay=0.01,
+)
 
 
 @pytest.mark.parametrize("method", ["newton_db", "eigh", "coupled_newton", "chebyshev"])

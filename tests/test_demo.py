@@ -61,8 +61,18 @@ def test_dct_basis_closed_form_and_orthonormal(n):
 
 @pytest.mark.parametrize(
     "length, max_chunk, expected",
-    [(96, 64, 48), (7, 64, 7), (130, 64, 26), (64, 64, 64), (4096, 64, 64), (97, 64, 1), (1, 64, 1),
-     (80, 64, 40), (130, 8, 5), (64, 8, 8)],
+    [
+        (96, 64, 48),
+        (7, 64, 7),
+        (130, 64, 26),
+        (64, 64, 64),
+        (4096, 64, 64),
+        (97, 64, 1),
+        (1, 64, 1),
+        (80, 64, 40),
+        (130, 8, 5),
+        (64, 8, 8),
+    ],
 )
 def test_chunk_size_for(length, max_chunk, expected):
     assert chunk_size_for(length, max_chunk) == expected
@@ -96,7 +106,7 @@ def test_chunk_order_matches_tiles_and_runs():
     br, bc = closed_form_basis(48), closed_form_basis(40)
     for i in range(2):
         for j in range(2):
-            tile = x[48 * i:48 * (i + 1), 40 * j:40 * (j + 1)]
+            tile = x[48 * i : 48 * (i + 1), 40 * j : 40 * (j + 1)]
             expected = (br @ tile @ bc.T).reshape(-1)
             torch.testing.assert_close(coefficients[2 * i + j], expected, rtol=0, atol=1e-12)
     # 1-D: 130 = 5 runs of 26
@@ -105,7 +115,7 @@ def test_chunk_order_matches_tiles_and_runs():
     assert coefficients.shape == (5, 26)
     b26 = closed_form_basis(26)
     for t in range(5):
-        torch.testing.assert_close(coefficients[t], b26 @ v[26 * t:26 * (t + 1)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(coefficients[t], b26 @ v[26 * t : 26 * (t + 1)], rtol=0, atol=1e-12)
     # conv weight (16, 3, 5, 5) is viewed as (16, 75): one 16x25 tile per 25 columns
     w = randn(16, 3, 5, 5, seed=4, dtype=torch.float64)
     coefficients, layout = dct_chunks(w, 64)
@@ -113,7 +123,7 @@ def test_chunk_order_matches_tiles_and_runs():
     flat = w.reshape(16, 75)
     b16, b25 = closed_form_basis(16), closed_form_basis(25)
     for j in range(3):
-        expected = (b16 @ flat[:, 25 * j:25 * (j + 1)] @ b25.T).reshape(-1)
+        expected = (b16 @ flat[:, 25 * j : 25 * (j + 1)] @ b25.T).reshape(-1)
         torch.testing.assert_close(coefficients[j], expected, rtol=0, atol=1e-12)
 
 
@@ -165,8 +175,9 @@ def test_decode_mean_matches_hand_mean_and_is_deterministic():
     expected = torch.zeros(num_chunks, chunk_numel, dtype=torch.float64)
     for c in range(num_chunks):
         for j in range(chunk_numel):
-            sent = [all_values[r][c, s].item() for r in range(ranks) for s in range(k)
-                    if all_indices[r][c, s].item() == j]
+            sent = [
+                all_values[r][c, s].item() for r in range(ranks) for s in range(k) if all_indices[r][c, s].item() == j
+            ]
             expected[c, j] = sum(sent) / len(sent) if sent else 0.0
     decoded = decode_mean(all_indices, all_values, num_chunks, chunk_numel)
     assert decoded.dtype == torch.float32
@@ -193,7 +204,7 @@ def test_lossless_when_topk_is_the_chunk_size():
     # bfloat16 values: lossless up to bf16 rounding, the rounding error is kept locally
     sync16 = DemoSynchronizer(topk=64, chunk_size=8, momentum=0.9)
     (synchronized,) = sync16.synchronize([grads[0]], [0])
-    assert (synchronized - grads[0]).abs().max().item() <= 2 ** -8 * grads[0].abs().max().item() * 8
+    assert (synchronized - grads[0]).abs().max().item() <= 2**-8 * grads[0].abs().max().item() * 8
     torch.testing.assert_close(synchronized + sync16.state[0], grads[0], rtol=0, atol=1e-5)
 
 
@@ -284,21 +295,30 @@ def _rank_grads(rank: int, step: int) -> list[torch.Tensor]:
 
 def _gloo_worker(rank: int, init_file: str, out_dir: str, threads: int, steps: int) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         sync = DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9)
         outputs = [sync.synchronize(_rank_grads(rank, step), [0, 1, 2]) for step in range(steps)]
-        torch.save({"outputs": outputs, "sent": sync.bytes_sent, "received": sync.bytes_received,
-                    "last_sent": sync.last_bytes_sent}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "outputs": outputs,
+                "sent": sync.bytes_sent,
+                "received": sync.bytes_received,
+                "last_sent": sync.last_bytes_sent,
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_agree_bitwise_with_single_process_decode(tmp_path):
     steps = 3
-    mp.spawn(_gloo_worker, args=(str(tmp_path / "init"), str(tmp_path), torch.get_num_threads(), steps),
-             nprocs=2, join=True)
+    mp.spawn(
+        _gloo_worker, args=(str(tmp_path / "init"), str(tmp_path), torch.get_num_threads(), steps), nprocs=2, join=True
+    )
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     # single-process reference: each rank's encoder, then the mean decode of both payloads
     encoders = [DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9) for _ in range(2)]
@@ -354,8 +374,12 @@ def test_demo_update_is_lr_times_sign_and_weight_decay_is_decoupled():
     with torch.no_grad():
         weight.copy_(randn(12, 3, seed=4))
     twin = DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9)
-    optimizer = DeMo([weight, bias, frozen], lr=lr, weight_decay=weight_decay,
-                     synchronizer=DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9))
+    optimizer = DeMo(
+        [weight, bias, frozen],
+        lr=lr,
+        weight_decay=weight_decay,
+        synchronizer=DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9),
+    )
     for _ in range(3):
         optimizer.zero_grad()
         loss_fn().backward()
@@ -401,8 +425,14 @@ def test_demo_optimizer_state_dict_round_trip():
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"topk": 0}, "topk"), ({"topk": 2.5}, "topk"), ({"chunk_size": 0}, "chunk_size"),
-     ({"momentum": 1.0}, "momentum"), ({"momentum": -0.1}, "momentum"), ({"value_dtype": torch.int8}, "value_dtype")],
+    [
+        ({"topk": 0}, "topk"),
+        ({"topk": 2.5}, "topk"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"value_dtype": torch.int8}, "value_dtype"),
+    ],
 )
 def test_synchronizer_rejects_invalid_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -411,8 +441,13 @@ def test_synchronizer_rejects_invalid_arguments(kwargs, name):
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"lr": -1.0}, "lr"), ({"weight_decay": -0.5}, "weight_decay"), ({"synchronizer": object()}, "synchronizer"),
-     ({"topk": 0}, "topk"), ({"momentum": 1.5}, "momentum")],
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"weight_decay": -0.5}, "weight_decay"),
+        ({"synchronizer": object()}, "synchronizer"),
+        ({"topk": 0}, "topk"),
+        ({"momentum": 1.5}, "momentum"),
+    ],
 )
 def test_demo_optimizer_rejects_invalid_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -20,9 +20,27 @@ from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, warmup_co
 from lightning_dash.demos.stdlib_text import RandomWindows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
-        "--val-windows", "64", "--max-bytes", "300000", "--accelerator", "cpu", "--devices", "1",
-        "--no-progress-bar"]
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--batch-size",
+    "8",
+    "--val-windows",
+    "64",
+    "--max-bytes",
+    "300000",
+    "--accelerator",
+    "cpu",
+    "--devices",
+    "1",
+    "--no-progress-bar",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -58,12 +76,14 @@ def test_train_char_gpt_logs_table_and_plot_agree(tmp_path):
         TINY + ["--steps", "40", "--val-every", "10", "--lr", "3e-3", "--out", str(tmp_path)]
     )
 
-    adamw_csv, = (tmp_path / "adamw").glob("version_*/metrics.csv")
-    dash_csv, = (tmp_path / "dash").glob("version_*/metrics.csv")
+    (adamw_csv,) = (tmp_path / "adamw").glob("version_*/metrics.csv")
+    (dash_csv,) = (tmp_path / "dash").glob("version_*/metrics.csv")
     adamw, dash = csv_rows(adamw_csv), csv_rows(dash_csv)
     # Validation after optimizer steps 10, 20, 30, 40 (Lightning's ``step`` column counts from 0).
-    validation = {name: [(int(r["step"]) + 1, float(r["val_loss"])) for r in rows if r["val_loss"]]
-                  for name, rows in (("AdamW", adamw), ("DASH", dash))}
+    validation = {
+        name: [(int(r["step"]) + 1, float(r["val_loss"])) for r in rows if r["val_loss"]]
+        for name, rows in (("AdamW", adamw), ("DASH", dash))
+    }
     assert [s for s, _ in validation["AdamW"]] == [s for s, _ in validation["DASH"]] == [10, 20, 30, 40]
     # The scheduler drove the converted optimizer exactly as it drove AdamW.
     lr_adamw = [float(r["lr-AdamW"]) for r in adamw if r.get("lr-AdamW")]
@@ -118,5 +138,7 @@ def test_data_module_gives_the_same_batches_for_every_run():
     assert len(loaders[0].train_dataloader()) == 5
     for left, right in zip(loaders[0].train_dataloader(), loaders[1].train_dataloader()):
         assert all(torch.equal(a, b) for a, b in zip(left, right))
-    assert all(torch.equal(a, b) for a, b in zip(next(iter(loaders[0].val_dataloader())),
-                                                 next(iter(loaders[1].val_dataloader()))))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(next(iter(loaders[0].val_dataloader())), next(iter(loaders[1].val_dataloader())))
+    )

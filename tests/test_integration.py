@@ -18,8 +18,10 @@ from lightning_dash.optim.config import OPTION_NAMES
 
 @pytest.mark.parametrize("name", OPTION_NAMES)
 def test_every_option_by_keyword_or_config_reaches_the_converted_optimizer(name):
-    for conversion in (ConversionOptions.build(**{name: NON_DEFAULT[name]}),
-                       ConversionOptions.build(DashConfig(**{name: NON_DEFAULT[name]}))):
+    for conversion in (
+        ConversionOptions.build(**{name: NON_DEFAULT[name]}),
+        ConversionOptions.build(DashConfig(**{name: NON_DEFAULT[name]})),
+    ):
         assert dict(conversion.overrides) == {name: NON_DEFAULT[name]}
         assert_carries(conversion.convert(user_optimizer()), name, NON_DEFAULT[name])
 
@@ -36,10 +38,14 @@ def test_overrides_are_the_changed_config_fields_then_the_given_keywords():
 
 
 def test_a_config_can_set_an_option_to_none_and_values_are_normalised():
-    conversion = ConversionOptions.build(DashConfig(max_consecutive_root_failures=None), matmul_dtype=torch.float16,
-                                         betas=[0.8, 0.9])
-    assert dict(conversion.overrides) == {"max_consecutive_root_failures": None, "matmul_dtype": "float16",
-                                          "betas": (0.8, 0.9)}
+    conversion = ConversionOptions.build(
+        DashConfig(max_consecutive_root_failures=None), matmul_dtype=torch.float16, betas=[0.8, 0.9]
+    )
+    assert dict(conversion.overrides) == {
+        "max_consecutive_root_failures": None,
+        "matmul_dtype": "float16",
+        "betas": (0.8, 0.9),
+    }
     assert conversion.convert(user_optimizer()).max_consecutive_root_failures is None
 
 
@@ -68,20 +74,23 @@ def test_a_dash_optimizer_is_kept_and_ignored_options_are_named():
     assert dash.block_size == 1024
 
 
-@pytest.mark.parametrize(("arguments", "error", "name"), [
-    ({"block_size": 0}, ValueError, "block_size"),
-    ({"lr": -1.0}, ValueError, "lr"),
-    ({"betas": (0.9, 1.5)}, ValueError, "betas"),
-    ({"grafting": "lion"}, ValueError, "grafting"),
-    ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
-    ({"nesterov": "yes"}, TypeError, "nesterov"),
-    ({"max_staleness": 0}, ValueError, "max_staleness"),
-    ({"factor_decay": 2.0}, ValueError, "factor_decay"),
-    ({"allow_custom_step": "yes"}, TypeError, "allow_custom_step"),
-    ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
-    ({"config": {"block_size": 8}}, TypeError, "config"),
-    ({"blocksize": 8}, TypeError, r"blocksize.*known:.*'block_size'"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "error", "name"),
+    [
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"lr": -1.0}, ValueError, "lr"),
+        ({"betas": (0.9, 1.5)}, ValueError, "betas"),
+        ({"grafting": "lion"}, ValueError, "grafting"),
+        ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
+        ({"nesterov": "yes"}, TypeError, "nesterov"),
+        ({"max_staleness": 0}, ValueError, "max_staleness"),
+        ({"factor_decay": 2.0}, ValueError, "factor_decay"),
+        ({"allow_custom_step": "yes"}, TypeError, "allow_custom_step"),
+        ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+        ({"config": {"block_size": 8}}, TypeError, "config"),
+        ({"blocksize": 8}, TypeError, r"blocksize.*known:.*'block_size'"),
+    ],
+)
 def test_bad_arguments_name_the_option(arguments, error, name):
     with pytest.raises(error, match=name):
         ConversionOptions.build(**arguments)
@@ -113,8 +122,11 @@ def test_metrics_of_a_step_whose_newton_roots_have_a_residual():
     residual = metrics.pop("dash/root_residual")
     assert 0.0 <= residual < 1.0
     assert metrics == {
-        "dash/optimizer_step_ms": 2.5, "dash/root_failures": 0.0, "dash/nonfinite_grad_skips": 0.0,
-        "dash/nonfinite_update_skips": 0.0, "dash/ownership_balance": 1.0,
+        "dash/optimizer_step_ms": 2.5,
+        "dash/root_failures": 0.0,
+        "dash/nonfinite_grad_skips": 0.0,
+        "dash/nonfinite_update_skips": 0.0,
+        "dash/ownership_balance": 1.0,
     }
 
 
@@ -122,8 +134,14 @@ def test_metrics_add_async_counters_and_gradient_traffic_only_when_present():
     optimizer = stepped(async_preconditioning=True)  # eigh roots: no residual
     stats = CommStats()
     assert set(dash_metrics(optimizer, 1.0, stats)) == {
-        "dash/optimizer_step_ms", "dash/root_failures", "dash/nonfinite_grad_skips", "dash/nonfinite_update_skips",
-        "dash/ownership_balance", "dash/async_roots_hidden", "dash/async_roots_waited", "dash/async_wait_ms",
+        "dash/optimizer_step_ms",
+        "dash/root_failures",
+        "dash/nonfinite_grad_skips",
+        "dash/nonfinite_update_skips",
+        "dash/ownership_balance",
+        "dash/async_roots_hidden",
+        "dash/async_roots_waited",
+        "dash/async_wait_ms",
     }
     stats.record(300.0, 100.0)
     stats.steps = 2

@@ -15,10 +15,10 @@ import math
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH
-from reference import ReferenceDash
 
 SHAPES = [(0, 5), (0,), (7,), (6, 5), (20, 12), (3, 4, 5), (4, 2, 3, 3), (9, 30)]
 SOLVERS = ["eigh", "newton_db", "coupled_newton", "chebyshev"]
@@ -68,10 +68,17 @@ def test_random_cases_stay_finite_match_float64_and_count_every_fault(case):
     scale = 10.0 ** case["log_scale"]
     dtype = case["param_dtype"]
     params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in case["shapes"]]
-    options = dict(lr=1.0, epsilon=case["epsilon"], block_size=case["block_size"],
-                   precondition_frequency=case["frequency"])
-    optimizer = DASH(params, inverse_root_method=case["solver"], matrix_scaling=case["scaling"],
-                     matmul_dtype=case["matmul_dtype"], chebyshev_degree=60, **options)
+    options = dict(
+        lr=1.0, epsilon=case["epsilon"], block_size=case["block_size"], precondition_frequency=case["frequency"]
+    )
+    optimizer = DASH(
+        params,
+        inverse_root_method=case["solver"],
+        matrix_scaling=case["scaling"],
+        matmul_dtype=case["matmul_dtype"],
+        chebyshev_degree=60,
+        **options,
+    )
     reference = ReferenceDash(**options)
     expected = [torch.zeros(shape, dtype=torch.float64) for shape in case["shapes"]]
     faulty = [shape for shape in case["shapes"] if math.prod(shape) > 0]

@@ -19,8 +19,11 @@ OPTIONS = dict(lr=0.01, block_size=8, precondition_frequency=2, epsilon=1e-4)
 
 def _parameters() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(24, 16, generator=generator), torch.randn(16, 8, generator=generator),
-            torch.randn(16, generator=generator)]
+    return [
+        torch.randn(24, 16, generator=generator),
+        torch.randn(16, 8, generator=generator),
+        torch.randn(16, generator=generator),
+    ]
 
 
 def _late_parameter() -> torch.Tensor:
@@ -47,8 +50,9 @@ def _single_process_state() -> dict:
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         states = {}
         params = [p.requires_grad_() for p in _parameters()]
@@ -89,8 +93,13 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
     for key, entry in expected["state"].items():
         assert ours["state"][key].keys() == entry.keys(), key
         for name, value in entry.items():
-            torch.testing.assert_close(ours["state"][key][name], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"state[{key}][{name}]: {m}")
+            torch.testing.assert_close(
+                ours["state"][key][name],
+                value,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, key=key, name=name: f"state[{key}][{name}]: {m}",
+            )
 
 
 def test_consolidation_after_add_param_group_and_after_load(tmp_path: Path) -> None:

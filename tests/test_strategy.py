@@ -7,7 +7,6 @@ here without Lightning) and are bit-identical across ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -111,7 +110,7 @@ class ParityModule(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         optimizer = self.trainer.optimizers[0]
         assert isinstance(optimizer, DASH)
-        assert (optimizer.distributor is not None) == (self.trainer.world_size > 1)
+        assert optimizer.distributor.world_size == self.trainer.world_size
         if self.reference is None:
             self.reference = torch.load(self.reference_path)
         step = self.trainer.global_step
@@ -146,9 +145,16 @@ def trainer(devices: int, steps: int, root: Path, strategy: DashStrategy | None 
     if strategy is None:
         strategy = DashStrategy(start_method="spawn" if devices > 1 else "popen", **DASH_OPTIONS)
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, **kwargs,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
     )
 
 
@@ -157,12 +163,6 @@ def reference_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("reference") / "trajectory.pt"
     torch.save(reference_trajectory(8), path)
     return str(path)
-
-
-def configure(run: pl.Trainer) -> None:
-    """Give a trainer's DashStrategy the DASH options of the reference over its own (test_async.py uses it)."""
-    conversion = run.strategy.conversion
-    run.strategy.conversion = dataclasses.replace(conversion, overrides={**conversion.overrides, **DASH_OPTIONS})
 
 
 def test_two_processes_match_single_process_dash_and_each_other(reference_file, tmp_path):
@@ -219,9 +219,18 @@ class FinetuneModule(pl.LightningModule):
 
 
 def test_base_finetuning_adds_groups_mid_training(tmp_path):
-    run = pl.Trainer(accelerator="cpu", devices=2, strategy=DashStrategy(start_method="spawn", block_size=16),
-                     max_epochs=2, callbacks=[FreezeThenUnfreeze()], logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DashStrategy(start_method="spawn", block_size=16),
+        max_epochs=2,
+        callbacks=[FreezeThenUnfreeze()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     run.fit(FinetuneModule())
 
 
@@ -234,19 +243,38 @@ class IdenticalAcrossRanks(pl.Callback):
 
 def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
     """Lightning's BoringModel (SGD + StepLR) trains unchanged under strategy="dash"."""
-    run = pl.Trainer(accelerator="cpu", devices=2, strategy="dash_spawn", max_steps=6,
-                     accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed",
-                     callbacks=[IdenticalAcrossRanks()], logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="dash_spawn",
+        max_steps=6,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        precision="bf16-mixed",
+        callbacks=[IdenticalAcrossRanks()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     run.fit(BoringModel())
 
 
 def test_single_device_run_converts_and_keeps_the_schedule(tmp_path):
     model = BoringModel()
     before = model.layer.weight.detach().clone()
-    run = pl.Trainer(accelerator="cpu", devices=1, strategy="dash", max_steps=3, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="dash",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     run.fit(model)
     optimizer = run.optimizers[0]
     assert isinstance(optimizer, DASH) and optimizer.grafting == "sgd"
@@ -257,8 +285,10 @@ def test_single_device_run_converts_and_keeps_the_schedule(tmp_path):
 
 @pytest.mark.parametrize("name", OPTION_NAMES)
 def test_every_dash_option_by_keyword_or_config_reaches_the_converted_optimizer(name):
-    for strategy in (DashStrategy(**{name: NON_DEFAULT[name]}),
-                     DashStrategy(config=DashConfig(**{name: NON_DEFAULT[name]}))):
+    for strategy in (
+        DashStrategy(**{name: NON_DEFAULT[name]}),
+        DashStrategy(config=DashConfig(**{name: NON_DEFAULT[name]})),
+    ):
         assert dict(strategy.conversion.overrides) == {name: NON_DEFAULT[name]}
         assert_carries(strategy.conversion.convert(user_optimizer()), name, NON_DEFAULT[name])
 
@@ -280,9 +310,17 @@ class TwoGroupModule(BoringModel):
 def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
     config = DashConfig(block_size=64, grafting_beta2=0.5, max_consecutive_root_failures=None)
     keywords = {name: value for name, value in NON_DEFAULT.items() if name != "grafting_beta2"}
-    run = pl.Trainer(accelerator="cpu", devices=1, strategy=DashStrategy(config=config, **keywords), max_steps=1,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=DashStrategy(config=config, **keywords),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     run.fit(TwoGroupModule())
     optimizer = run.optimizers[0]
     assert isinstance(optimizer, DASH)
@@ -292,16 +330,18 @@ def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs,error,name",
-    [({"block_size": 0}, ValueError, "block_size"),
-     ({"inverse_root_method": "qr"}, ValueError, "inverse_root_method"),
-     ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
-     ({"epsilon": -1.0}, ValueError, "epsilon"),
-     ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
-     ({"grafting_epsilon": 0.0}, ValueError, "grafting_epsilon"),
-     ({"max_consecutive_root_failures": 0}, ValueError, "max_consecutive_root_failures"),
-     ({"nesterov": 1}, TypeError, "nesterov"),
-     ({"factor_decay": 1.5}, ValueError, "factor_decay"),
-     ({"config": {"block_size": 8}}, TypeError, "config")],
+    [
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"inverse_root_method": "qr"}, ValueError, "inverse_root_method"),
+        ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+        ({"epsilon": -1.0}, ValueError, "epsilon"),
+        ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
+        ({"grafting_epsilon": 0.0}, ValueError, "grafting_epsilon"),
+        ({"max_consecutive_root_failures": 0}, ValueError, "max_consecutive_root_failures"),
+        ({"nesterov": 1}, TypeError, "nesterov"),
+        ({"factor_decay": 1.5}, ValueError, "factor_decay"),
+        ({"config": {"block_size": 8}}, TypeError, "config"),
+    ],
 )
 def test_bad_strategy_option_is_a_clear_error(kwargs, error, name):
     with pytest.raises(error, match=name):
@@ -313,9 +353,17 @@ def test_unsupported_optimizer_is_named(tmp_path):
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters())
 
-    run = pl.Trainer(accelerator="cpu", devices=1, strategy="dash", max_steps=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="dash",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.raises(TypeError, match="LBFGS"):
         run.fit(LBFGSModel())
 
@@ -349,10 +397,18 @@ def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
 
     checkpoint = tmp_path / "scheduled.ckpt"
     callbacks = [GraftingSchedule(start_step=2, span_steps=4), PreconditionerSchedule({0: 1, 3: 5}), DashMonitor()]
-    run = pl.Trainer(accelerator="cpu", devices=2, strategy=DashStrategy(start_method="spawn", block_size=16),
-                     max_steps=8, callbacks=callbacks, logger=CSVLogger(tmp_path, name="csv"),
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=tmp_path)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DashStrategy(start_method="spawn", block_size=16),
+        max_steps=8,
+        callbacks=callbacks,
+        logger=CSVLogger(tmp_path, name="csv"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     run.fit(ScheduledModule(str(checkpoint)))
     saved = torch.load(checkpoint, weights_only=False)
     states = {key.split("{")[0]: value for key, value in saved["callbacks"].items()}

@@ -7,13 +7,13 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_strategy import assert_identical_across_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dash  # noqa: F401
 from lightning_dash import DASH, DashStrategy
 from lightning_dash.distributed.dct_topk import chunk_size_for
-from test_strategy import assert_identical_across_ranks
 
 
 def dataset() -> TensorDataset:
@@ -77,9 +77,17 @@ SHAPES = [(64, 32), (64,), (8, 64), (8,)]
 
 def run(tmp_path, steps: int, expected: float, ckpt_path=None, output="", **strategy_kwargs) -> None:
     strategy = DashStrategy(start_method="spawn", block_size=32, **strategy_kwargs)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(SyncModule(expected, output), ckpt_path=ckpt_path)
 
 

@@ -64,9 +64,7 @@ class GraftingSchedule(Callback):
         self._configure(start_step, span_steps, final_grafting, switch_step)
         self._switched = False
 
-    def _configure(
-        self, start_step: int, span_steps: int, final_grafting: str | None, switch_step: int | None
-    ) -> None:
+    def _configure(self, start_step: int, span_steps: int, final_grafting: str | None, switch_step: int | None) -> None:
         self.start_step = check_int("start_step", start_step, low=0)
         self.span_steps = check_int("span_steps", span_steps, low=0)
         if final_grafting is not None:

@@ -31,10 +31,12 @@ def _check_milestones(milestones: Milestones) -> tuple[tuple[int, int], ...]:
         if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable) or len(tuple(pair)) != 2:
             raise ValueError(f"milestones entries must be (step, frequency) pairs, got {pair!r}")
         step, frequency = tuple(pair)
-        checked.append((
-            check_int("milestones step", step, low=0),
-            check_int(f"milestones frequency (step {step})", frequency, low=1),
-        ))
+        checked.append(
+            (
+                check_int("milestones step", step, low=0),
+                check_int(f"milestones frequency (step {step})", frequency, low=1),
+            )
+        )
     steps = [step for step, _ in checked]
     if len(set(steps)) != len(steps):
         raise ValueError(f"milestones steps must be unique, got {sorted(steps)}")

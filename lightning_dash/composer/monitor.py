@@ -37,8 +37,11 @@ class DashComposerMonitor(Callback):
 
     def __init__(self, logging_interval: int = 1, *, log_interval: int | None = None) -> None:
         if log_interval is not None:
-            warnings.warn(f"{type(self).__name__}(log_interval=...) is deprecated: use logging_interval",
-                          DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}(log_interval=...) is deprecated: use logging_interval",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             if logging_interval not in (1, log_interval):
                 raise ValueError("log_interval is the deprecated name of logging_interval: give only logging_interval")
             logging_interval = check_int("log_interval", log_interval, low=1)
@@ -85,6 +88,10 @@ class DashMonitor(DashComposerMonitor):
     """Deprecated alias of :class:`DashComposerMonitor`, removed in the next release."""
 
     def __init__(self, logging_interval: int = 1, *, log_interval: int | None = None) -> None:
-        warnings.warn("lightning_dash.composer.DashMonitor is deprecated and will be removed in the next release: "
-                      "use DashComposerMonitor", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "lightning_dash.composer.DashMonitor is deprecated and will be removed in the next release: "
+            "use DashComposerMonitor",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         super().__init__(logging_interval, log_interval=log_interval)

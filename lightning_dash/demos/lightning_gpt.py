@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +43,15 @@ class StdlibBytes(pl.LightningDataModule):
     ``max_steps=steps`` ends with the epoch and every optimizer sees the same batches.
     """
 
-    def __init__(self, context: int, batch_size: int, steps: int, val_windows: int = 512,
-                 max_bytes: int = 2_000_000, seed: int = 0) -> None:
+    def __init__(
+        self,
+        context: int,
+        batch_size: int,
+        steps: int,
+        val_windows: int = 512,
+        max_bytes: int = 2_000_000,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.context = context
         self.batch_size = batch_size
@@ -52,7 +59,7 @@ class StdlibBytes(pl.LightningDataModule):
         self.val_windows = val_windows
         self.max_bytes = max_bytes
         self.seed = seed
-        self.corpus: Optional[ByteCorpus] = None
+        self.corpus: ByteCorpus | None = None
 
     @override
     def setup(self, stage: str) -> None:
@@ -81,9 +88,18 @@ class GPTModule(pl.LightningModule):
     two runs with the same arguments start from the same model.
     """
 
-    def __init__(self, context: int = 64, width: int = 64, depth: int = 2, heads: int = 4, lr: float = 3e-3,
-                 weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.95),
-                 warmup_fraction: float = 0.05, seed: int = 0) -> None:
+    def __init__(
+        self,
+        context: int = 64,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_fraction: float = 0.05,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         with torch.random.fork_rng(devices=[]):
@@ -103,8 +119,9 @@ class GPTModule(pl.LightningModule):
     @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         tokens, targets = batch
-        self.log("val_loss", self.model.loss(tokens, targets), prog_bar=True, sync_dist=True,
-                 batch_size=tokens.shape[0])
+        self.log(
+            "val_loss", self.model.loss(tokens, targets), prog_bar=True, sync_dist=True, batch_size=tokens.shape[0]
+        )
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
@@ -121,7 +138,7 @@ class WallClock(pl.Callback):
     so validation loss can be plotted against wall time."""
 
     def __init__(self) -> None:
-        self.start: Optional[float] = None
+        self.start: float | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Row:
     optimizer: str
     lr: float
     final_val_loss: float
-    steps_to_target: Optional[int]
-    seconds_to_target: Optional[float]
+    steps_to_target: int | None
+    seconds_to_target: float | None
     wall_time_s: float
     metrics_csv: str
 
@@ -51,7 +51,7 @@ def read_history(name: str, metrics_csv: Path) -> History:
     return History(name, [p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
 
 
-def first_reaching(history: History, target: float) -> Optional[int]:
+def first_reaching(history: History, target: float) -> int | None:
     """Index of the first validation point at or below ``target`` (None if never)."""
     return next((i for i, loss in enumerate(history.losses) if loss <= target), None)
 
@@ -62,29 +62,35 @@ def compare(histories: Sequence[History], lrs: Sequence[float], paths: Sequence[
     rows = []
     for history, lr, path in zip(histories, lrs, paths):
         index = first_reaching(history, target)
-        rows.append(Row(
-            optimizer=history.name,
-            lr=lr,
-            final_val_loss=history.losses[-1],
-            steps_to_target=None if index is None else history.steps[index],
-            seconds_to_target=None if index is None else history.seconds[index],
-            wall_time_s=history.seconds[-1],
-            metrics_csv=str(path),
-        ))
+        rows.append(
+            Row(
+                optimizer=history.name,
+                lr=lr,
+                final_val_loss=history.losses[-1],
+                steps_to_target=None if index is None else history.steps[index],
+                seconds_to_target=None if index is None else history.seconds[index],
+                wall_time_s=history.seconds[-1],
+                metrics_csv=str(path),
+            )
+        )
     return rows
 
 
 def format_table(rows: Sequence[Row]) -> str:
     """A fixed-width text table of ``rows``."""
     target = f"{rows[0].optimizer}'s final"
-    header = (f"{'optimizer':<10} {'lr':>8} {'final val loss':>15} {'steps to ' + target:>26} "
-              f"{'time to it (s)':>15} {'wall time (s)':>14}")
+    header = (
+        f"{'optimizer':<10} {'lr':>8} {'final val loss':>15} {'steps to ' + target:>26} "
+        f"{'time to it (s)':>15} {'wall time (s)':>14}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         steps = "n/a" if row.steps_to_target is None else str(row.steps_to_target)
         seconds = "n/a" if row.seconds_to_target is None else f"{row.seconds_to_target:.1f}"
-        lines.append(f"{row.optimizer:<10} {row.lr:>8.2g} {row.final_val_loss:>15.4f} {steps:>26} "
-                     f"{seconds:>15} {row.wall_time_s:>14.1f}")
+        lines.append(
+            f"{row.optimizer:<10} {row.lr:>8.2g} {row.final_val_loss:>15.4f} {steps:>26} "
+            f"{seconds:>15} {row.wall_time_s:>14.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -140,10 +140,7 @@ def plan_parameter_ownership(
     precondition_frequency: int = 10,
 ) -> OwnershipPlan:
     """The block ownership plan of a model, from its parameter shapes alone."""
-    costs = [
-        block_cost(rows, cols, precondition_frequency)
-        for rows, cols in block_shapes(param_shapes, block_size)
-    ]
+    costs = [block_cost(rows, cols, precondition_frequency) for rows, cols in block_shapes(param_shapes, block_size)]
     return plan_ownership(costs, world_size)
 
 

@@ -93,7 +93,10 @@ def merge_rank_states(states: list[dict[int, dict[str, Tensor]]]) -> dict[int, d
     """Combine per-rank exports: each block (and each element of the parameter-shaped
     buffers) is owned by exactly one rank, whose values are non-zero only there."""
     combine: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-        ROOT_VALID: torch.logical_or, MOMENTUM: torch.add, GRAFTING_RMS: torch.add, ROOT_FAILURES: torch.add,
+        ROOT_VALID: torch.logical_or,
+        MOMENTUM: torch.add,
+        GRAFTING_RMS: torch.add,
+        ROOT_FAILURES: torch.add,
     }
     merged: dict[int, dict[str, Tensor]] = {}
     for state in states:

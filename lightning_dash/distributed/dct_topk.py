@@ -12,8 +12,9 @@ payload concatenated in call order):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -154,7 +155,7 @@ def dct_basis(size: int, dtype: torch.dtype = torch.float32, device: Any = None)
         n = torch.arange(size, dtype=torch.float64)
         k = n[:, None]
         matrix = torch.cos(torch.pi * (2.0 * n[None, :] + 1.0) * k / (2.0 * size)) * (2.0 / size) ** 0.5
-        matrix[0] /= 2.0 ** 0.5
+        matrix[0] /= 2.0**0.5
         basis = matrix.to(dtype=dtype, device=device)
         _BASIS_CACHE[key] = basis
     return basis
@@ -287,7 +288,7 @@ class DemoPayload:
 
     indices: Tensor
     values: Tensor
-    layouts: tuple[Optional[ChunkLayout], ...]
+    layouts: tuple[ChunkLayout | None, ...]
     ks: tuple[int, ...]
 
     @property

@@ -10,7 +10,8 @@ method (default: a :class:`~lightning_dash.distributed.demo_synchronizer.DemoSyn
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,7 +48,7 @@ class DeMo(torch.optim.Optimizer):
         params: Iterable[Any],
         lr: float = 1e-3,
         weight_decay: float = 0.0,
-        synchronizer: Optional[Any] = None,
+        synchronizer: Any | None = None,
         topk: int = 32,
         chunk_size: int = 64,
         momentum: float = 0.999,
@@ -65,7 +66,7 @@ class DeMo(torch.optim.Optimizer):
         self.synchronizer = synchronizer
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One DeMo step; returns the closure's loss (None without a closure)."""
         loss = None
         if closure is not None:

@@ -9,7 +9,8 @@ after the collective, so nothing is rounded in transit.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class DemoSynchronizer:
         topk: int = 32,
         chunk_size: int = 64,
         momentum: float = 0.999,
-        process_group: Optional[Any] = None,
+        process_group: Any | None = None,
         value_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         _check_positive_int("topk", topk)
@@ -95,7 +96,7 @@ class DemoSynchronizer:
             raise ValueError(f"grads and keys must have the same length, got {len(grads)} and {len(keys)}")
         if len(set(keys)) != len(keys):
             raise ValueError(f"keys must be distinct, got {list(keys)}")
-        layouts: list[Optional[ChunkLayout]] = []
+        layouts: list[ChunkLayout | None] = []
         ks: list[int] = []
         index_parts: list[Tensor] = []
         value_parts: list[Tensor] = []
@@ -132,8 +133,9 @@ class DemoSynchronizer:
             index_parts.append(indices.reshape(-1))
             value_parts.append(sent_values.reshape(-1))
         index_dtype = index_dtype_for([lay.chunk_numel for lay in layouts if lay is not None])
-        indices = torch.cat(index_parts).to(index_dtype) if index_parts else torch.zeros(0, dtype=index_dtype,
-                                                                                            device=device)
+        indices = (
+            torch.cat(index_parts).to(index_dtype) if index_parts else torch.zeros(0, dtype=index_dtype, device=device)
+        )
         values = torch.cat(value_parts) if value_parts else torch.zeros(0, dtype=self.value_dtype, device=device)
         return DemoPayload(indices=indices, values=values, layouts=tuple(layouts), ks=tuple(ks))
 
@@ -156,8 +158,8 @@ class DemoSynchronizer:
             if layout is None:
                 outputs.append(torch.zeros(0, dtype=torch.float32, device=device))
                 continue
-            all_indices = [p.indices[offset:offset + count] for p in payloads]
-            all_values = [p.values[offset:offset + count] for p in payloads]
+            all_indices = [p.indices[offset : offset + count] for p in payloads]
+            all_values = [p.values[offset : offset + count] for p in payloads]
             coefficients = decode_mean(all_indices, all_values, layout.num_chunks, layout.chunk_numel)
             outputs.append(idct_chunks(coefficients, layout).reshape(layout.shape))
             offset += count

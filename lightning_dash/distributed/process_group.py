@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ class ProcessGroupDistributor:
 
     def __init__(
         self,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
         communication_dtype: torch.dtype = torch.float32,
         root_iterations: int = 10,
     ) -> None:
@@ -46,7 +46,7 @@ class ProcessGroupDistributor:
         self.world_size = dist.get_world_size(process_group)
         self._owners: dict[Hashable, int] = {}
         self._costs: dict[Hashable, float] = {}
-        self._exchange: Optional[ExchangePlan] = None
+        self._exchange: ExchangePlan | None = None
 
     def _loads(self) -> list[float]:
         loads = [0.0] * self.world_size
@@ -62,8 +62,10 @@ class ProcessGroupDistributor:
     def assign_owners(self, keys: list[Hashable], shapes: list[tuple[int, int]], frequencies: list[int]) -> list[int]:
         """Owner of each block (not collective); blocks seen before keep their owner, new
         ones are placed by LPT on top of the existing loads."""
-        costs = [block_cost(rows, cols, frequency, self.root_iterations)
-                 for (rows, cols), frequency in zip(shapes, frequencies)]
+        costs = [
+            block_cost(rows, cols, frequency, self.root_iterations)
+            for (rows, cols), frequency in zip(shapes, frequencies)
+        ]
         new = [i for i, key in enumerate(keys) if key not in self._owners]
         placed = lpt_assign([costs[i] for i in new], self.world_size, self._loads())
         owners = [self._owners.get(key, -1) for key in keys]
@@ -93,7 +95,7 @@ class ProcessGroupDistributor:
         gathered = torch.stack(self.all_gather(summary.to(self._device())))
         return torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
 
-    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Tensor]]]:
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Tensor]] | None:
         gathered = self.gather_to_first(state)
         return None if gathered is None else merge_rank_states(gathered)
 
@@ -104,9 +106,9 @@ class ProcessGroupDistributor:
         dist.all_gather(received, send, group=self.process_group)
         return [part.to(tensor.dtype) for part in received]
 
-    def gather_to_first(self, obj: Any) -> Optional[list[Any]]:
+    def gather_to_first(self, obj: Any) -> list[Any] | None:
         """Every rank's picklable ``obj`` on rank 0 (None elsewhere)."""
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         destination = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         dist.gather_object(obj, gathered, dst=destination, group=self.process_group)
         return gathered

@@ -19,8 +19,10 @@ and a keyword cannot set an option to None (None means "not set"): pass
 
 from __future__ import annotations
 
+import inspect
+import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -30,7 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import check_option, check_option_names
+from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.validation import check_bool, check_communication_dtype, check_number
 
 
@@ -94,8 +96,9 @@ class ConversionOptions:
         check_option_names(options)
         given = {name: value for name, value in options.items() if value is not None}
         overrides = {**(config.changed() if config is not None else {}), **given}
-        return cls(overrides, factor_decay, False if allow_custom_step is None else allow_custom_step,
-                   communication_dtype)
+        return cls(
+            overrides, factor_decay, False if allow_custom_step is None else allow_custom_step, communication_dtype
+        )
 
     def convert(self, optimizer: Optimizer) -> DASH:
         """``optimizer`` as DASH over its own parameter groups (so its schedulers keep
@@ -110,12 +113,43 @@ class ConversionOptions:
             if self.factor_decay is not None:
                 ignored.append("factor_decay")
             if ignored:
-                warnings.warn(f"the optimizer already is DASH: the options {ignored} are not applied to it",
-                              UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"the optimizer already is DASH: the options {ignored} are not applied to it",
+                    UserWarning,
+                    stacklevel=2,
+                )
             dash = optimizer
         else:
             conversion = {"factor_decay": self.factor_decay} if self.factor_decay is not None else {}
-            dash = DASH.from_optimizer(optimizer, **self.overrides, **conversion,
-                                       allow_custom_step=self.allow_custom_step)
+            dash = DASH.from_optimizer(
+                optimizer, **self.overrides, **conversion, allow_custom_step=self.allow_custom_step
+            )
         shard_across_ranks(dash, self.communication_dtype)
         return dash
+
+
+_Init = typing.TypeVar("_Init", bound=Callable[..., None])
+
+
+def accepts_dash_options(init: _Init) -> _Init:
+    """Give an ``__init__`` that takes ``**options`` every DASH option as a keyword-only
+    parameter (default None) in its signature, read from :class:`DashConfig`, so that
+    introspection (LightningCLI's ``class_path``/``init_args``, llm-foundry, IDEs) sees
+    them without the option list being written again. The call itself is unchanged:
+    the options arrive in ``**options`` (:func:`take_dash_options` picks them out).
+    """
+    signature = inspect.signature(init)
+    hints = typing.get_type_hints(DashConfig)
+    given = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    rest = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    options = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[name] | None)
+        for name in OPTION_NAMES
+    ]
+    init.__signature__ = signature.replace(parameters=given + options + rest)  # type: ignore[attr-defined]
+    return init
+
+
+def take_dash_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove the DASH options from ``kwargs`` (in place) and return them."""
+    return {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_NAMES}

@@ -40,8 +40,9 @@ stand-in for "the event is never early".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -84,7 +85,7 @@ class _Launch:
     results: Any = None
     outputs: list[Tensor] = field(default_factory=list)
     event: Any = None  # a CUDA event recorded on the side stream after the solver
-    device: Optional[torch.device] = None
+    device: torch.device | None = None
     swapped: bool = False
 
 
@@ -112,9 +113,9 @@ class RootPipeline:
         #: Swap in at the first step where the event has completed (False: at the deadline).
         self.swap_when_ready = True
         #: Test hook: called on the side stream right before the solver (e.g. to delay it).
-        self.before_solve: Optional[Callable[[], None]] = None
+        self.before_solve: Callable[[], None] | None = None
         self.ops = CudaOps()
-        self._pending: Optional[_Launch] = None
+        self._pending: _Launch | None = None
         self._uncounted: list[Tensor] = []
         self._streams: dict[torch.device, Any] = {}
         self._stalls: list[tuple[Any, Any]] = []
@@ -131,7 +132,7 @@ class RootPipeline:
         return self._pending is not None
 
     @property
-    def pending_deadline(self) -> Optional[int]:
+    def pending_deadline(self) -> int | None:
         return None if self._pending is None else self._pending.deadline
 
     @property
@@ -167,8 +168,7 @@ class RootPipeline:
             self._pending = None
         return closing
 
-    def launch(self, payload: Any, snapshots: list[Tensor], solve: Callable[[], Any],
-               device: torch.device) -> None:
+    def launch(self, payload: Any, snapshots: list[Tensor], solve: Callable[[], Any], device: torch.device) -> None:
         """Start the root computation of this step (after the statistics update).
 
         ``snapshots`` are the tensors ``solve`` reads: fresh copies nobody else writes.
@@ -198,7 +198,9 @@ class RootPipeline:
         for tensor in launch.snapshots:
             ops.record_stream(tensor, side)
         launch.outputs = [
-            value for item in launch.results for value in (getattr(item, "root", None), getattr(item, "residual", None))
+            value
+            for item in launch.results
+            for value in (getattr(item, "root", None), getattr(item, "residual", None))
             if isinstance(value, Tensor)
         ]
 

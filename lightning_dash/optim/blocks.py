@@ -39,7 +39,7 @@ class Region:
     def num_blocks(self) -> int:
         return self.tile_rows * self.tile_cols
 
-    def single_tiles(self) -> list["Region"]:
+    def single_tiles(self) -> list[Region]:
         """This region as one-tile regions, in row-major order."""
         rows, cols = self.block_shape
         return [
@@ -81,9 +81,7 @@ def param_regions(param_index: int, shape: tuple[int, int], block_size: int) -> 
     regions = []
     for row_start, tile_rows, block_rows in _splits(rows, block_size):
         for col_start, tile_cols, block_cols in _splits(cols, block_size):
-            regions.append(
-                Region(param_index, row_start, col_start, tile_rows, tile_cols, (block_rows, block_cols))
-            )
+            regions.append(Region(param_index, row_start, col_start, tile_rows, tile_cols, (block_rows, block_cols)))
     return regions
 
 
@@ -101,7 +99,7 @@ class StackPlan:
         self.num_blocks += placed.num_blocks
         return placed
 
-    def subset(self, param_indices: set[int]) -> tuple["StackPlan", list[int]]:
+    def subset(self, param_indices: set[int]) -> tuple[StackPlan, list[int]]:
         """The regions of ``param_indices`` as a compact plan, and their blocks' positions here."""
         plan, positions = StackPlan(self.block_shape), []
         for region in self.regions:
@@ -110,8 +108,9 @@ class StackPlan:
                 positions.extend(range(region.stack_offset, region.stack_offset + region.num_blocks))
         return plan, positions
 
-    def gather(self, matrices: dict[int, Tensor], out: Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> Tensor:
+    def gather(
+        self, matrices: dict[int, Tensor], out: Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
         """Copy the tiles of ``matrices`` (param index -> matrix view) into one stack
         (a new one in ``dtype`` unless ``out`` is given)."""
         rows, cols = self.block_shape

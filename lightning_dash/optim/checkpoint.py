@@ -9,7 +9,7 @@ first, so a checkpoint does not depend on the world size it was written at.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,8 +42,9 @@ def with_state(packed: dict[str, Any], entries: dict[int, dict[str, Tensor]], ex
     return packed
 
 
-def restore_entries(saved_state: dict[Any, dict[str, Tensor]], saved_groups: list[dict[str, Any]],
-                    params: list[Tensor]) -> dict[Tensor, dict[str, Tensor]]:
+def restore_entries(
+    saved_state: dict[Any, dict[str, Tensor]], saved_groups: list[dict[str, Any]], params: list[Tensor]
+) -> dict[Tensor, dict[str, Tensor]]:
     """Saved per-parameter entries placed on the current parameters' devices (steps on
     the CPU). As torch's optimizers do, the saved groups' parameter keys (indices, or
     names from ``torch.distributed.checkpoint``) name the current parameters by position."""
@@ -60,8 +61,13 @@ def restore_entries(saved_state: dict[Any, dict[str, Tensor]], saved_groups: lis
 
 
 #: Per-group keys every DASH state dict carries (an AdamW state dict has none of them).
-DASH_GROUP_KEYS = ("grafting_beta2", "grafting_epsilon", "precondition_frequency",
-                   "start_preconditioning_step", "shampoo_blend")
+DASH_GROUP_KEYS = (
+    "grafting_beta2",
+    "grafting_epsilon",
+    "precondition_frequency",
+    "start_preconditioning_step",
+    "shampoo_blend",
+)
 
 
 def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], block_size: int) -> None:
@@ -101,8 +107,11 @@ def _check_tiles(entry: dict, param: Tensor, name: str, block_size: int) -> None
         if key not in FACTOR_KEYS:
             continue
         i, j = int(row), int(tile)
-        side = min(block_size, shape[0] - i * block_size) if key.startswith("left") else (
-            min(block_size, shape[1] - j * block_size))
+        side = (
+            min(block_size, shape[0] - i * block_size)
+            if key.startswith("left")
+            else (min(block_size, shape[1] - j * block_size))
+        )
         if i >= rows or j >= cols or tuple(value.shape) != (side, side):
             raise ValueError(
                 f"load_state_dict: saved {item} of {name} {tuple(value.shape)} does not fit "
@@ -133,9 +142,9 @@ class DashStateDict(torch.optim.Optimizer):
     distributor, its root refresher (``roots``, ``_settle_roots``) and its counters.
     """
 
-    _layout: Optional[Layout]
+    _layout: Layout | None
     _distributor: BlockDistributor
-    _consolidated: Optional[dict[int, dict[str, Tensor]]]
+    _consolidated: dict[int, dict[str, Tensor]] | None
     collective_state_dict: bool
     block_size: int
     grafting: str
@@ -170,8 +179,9 @@ class DashStateDict(torch.optim.Optimizer):
             # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
             # every rank holds whole): stack them first, so each rank reports only its blocks.
             self._current_layout()
-        local = {key: {name: value.cpu() for name, value in entry.items()}
-                 for key, entry in self._local_state().items()}
+        local = {
+            key: {name: value.cpu() for name, value in entry.items()} for key, entry in self._local_state().items()
+        }
         self._consolidated = self._distributor.gather_states(local)
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,9 +9,9 @@ its checks, and the documentation's option table is generated from it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
-
+from typing import Any
 
 from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
@@ -99,13 +99,15 @@ class DashConfig:
         (0.9, 0.95),
         "(momentum of the gradient, decay of the Kronecker factors); a momentum of 0 disables it, "
         "a decay of 1.0 accumulates AdaGrad-style sums",
-        check_betas, per_group=True,
+        check_betas,
+        per_group=True,
     )
     epsilon: float = _option(
         DEFAULT_EPSILON,
         "damping added to the bias-corrected factors before the roots: epsilon * ||L||_F * I "
         "(relative to the factor's Frobenius norm), or epsilon * I with relative_epsilon=False",
-        _positive, per_group=True,
+        _positive,
+        per_group=True,
     )
     relative_epsilon: bool = _option(
         True, "whether epsilon is relative to each factor's norm (scale-invariant) or absolute", check_bool
@@ -116,8 +118,10 @@ class DashConfig:
         10, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
     )
     start_preconditioning_step: int = _option(
-        1, "first step that uses the Shampoo direction (earlier steps follow the grafting direction)",
-        _at_least(1), per_group=True,
+        1,
+        "first step that uses the Shampoo direction (earlier steps follow the grafting direction)",
+        _at_least(1),
+        per_group=True,
     )
     inverse_root_method: str = _option(
         "eigh",
@@ -129,33 +133,36 @@ class DashConfig:
         "power_iteration", "spectrum bound of the Newton and Chebyshev solvers", _one_of(MATRIX_SCALINGS)
     )
     matmul_dtype: str = _option(
-        "float32", "dtype of the solver matmuls: float32, bfloat16 or float16 (a torch.dtype also works)",
+        "float32",
+        "dtype of the solver matmuls: float32, bfloat16 or float16 (a torch.dtype also works)",
         _matmul_dtype,
     )
     grafting: str = _option(
-        "adam", "optimizer whose per-block update norm the Shampoo direction takes (none: raw Shampoo)",
+        "adam",
+        "optimizer whose per-block update norm the Shampoo direction takes (none: raw Shampoo)",
         _one_of(GRAFTING_TYPES),
     )
-    grafting_beta2: float = _option(
-        0.95, "second-moment decay of Adam/RMSprop grafting", _unit_open, per_group=True
-    )
+    grafting_beta2: float = _option(0.95, "second-moment decay of Adam/RMSprop grafting", _unit_open, per_group=True)
     grafting_epsilon: float = _option(1e-8, "epsilon of the grafting optimizer", _positive, per_group=True)
     shampoo_blend: float = _option(
-        1.0, "weight of the Shampoo direction against the grafting direction (PreconditionerSchedule ramps it)",
-        _unit, per_group=True,
+        1.0,
+        "weight of the Shampoo direction against the grafting direction (PreconditionerSchedule ramps it)",
+        _unit,
+        per_group=True,
     )
     nesterov: bool = _option(False, "use a Nesterov-style momentum in the direction", check_bool)
     bias_correction: bool = _option(
         True, "correct momentum, factors and Adam's second moment for their zero initialisation", check_bool
     )
-    root_iterations: Optional[int] = _option(
+    root_iterations: int | None = _option(
         None,
         "iterations per pass of the Newton solvers; None: as many as the damping needs, planned on the host",
         _optional(_at_least(1)),
     )
     chebyshev_degree: int = _option(40, "degree of the Chebyshev interpolant", _at_least(2))
-    max_consecutive_root_failures: Optional[int] = _option(
-        3, "raise RootComputationError once a block's root failed this many times in a row (None: never)",
+    max_consecutive_root_failures: int | None = _option(
+        3,
+        "raise RootComputationError once a block's root failed this many times in a row (None: never)",
         _optional(_at_least(1)),
     )
     async_preconditioning: bool = _option(
@@ -172,7 +179,7 @@ class DashConfig:
             object.__setattr__(self, spec.name, spec.metadata["check"](spec.name, getattr(self, spec.name)))
 
     @classmethod
-    def build(cls, config: Optional["DashConfig"] = None, **options: Any) -> "DashConfig":
+    def build(cls, config: DashConfig | None = None, **options: Any) -> DashConfig:
         """``config`` (default: the defaults) with ``options`` replacing its values.
 
         Unknown option names raise ``TypeError`` listing the known ones.
@@ -187,9 +194,7 @@ class DashConfig:
     def changed(self) -> dict[str, Any]:
         """The options whose value differs from the default."""
         default = DashConfig()
-        return {
-            name: getattr(self, name) for name in OPTION_NAMES if getattr(self, name) != getattr(default, name)
-        }
+        return {name: getattr(self, name) for name in OPTION_NAMES if getattr(self, name) != getattr(default, name)}
 
     @property
     def root_settings(self) -> RootSettings:

@@ -61,8 +61,9 @@ def check_no_custom_step(optimizer: torch.optim.Optimizer, allow_custom_step: bo
         )
 
 
-def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY,
-                        allow_custom_step: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def dash_group_settings(
+    optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY, allow_custom_step: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-group DASH settings equivalent to ``optimizer``'s, and optimizer-wide options
     (``grafting`` and ``nesterov``).
 
@@ -93,14 +94,19 @@ def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = 
             }
         elif isinstance(optimizer, torch.optim.Adagrad):
             grafting = "adagrad"
-            values = {"betas": (0.0, 1.0), "grafting_epsilon": float(group.get("eps", 1e-10)),
-                      "weight_decay": float(group.get("weight_decay", 0.0))}
+            values = {
+                "betas": (0.0, 1.0),
+                "grafting_epsilon": float(group.get("eps", 1e-10)),
+                "weight_decay": float(group.get("weight_decay", 0.0)),
+            }
         elif isinstance(optimizer, torch.optim.RMSprop):
             grafting = "rmsprop"
-            values = {"betas": (float(group.get("momentum", 0.0)), factor_decay),
-                      "grafting_beta2": float(group.get("alpha", 0.99)),
-                      "grafting_epsilon": float(group.get("eps", 1e-8)),
-                      "weight_decay": float(group.get("weight_decay", 0.0))}
+            values = {
+                "betas": (float(group.get("momentum", 0.0)), factor_decay),
+                "grafting_beta2": float(group.get("alpha", 0.99)),
+                "grafting_epsilon": float(group.get("eps", 1e-8)),
+                "weight_decay": float(group.get("weight_decay", 0.0)),
+            }
         else:
             raise TypeError(
                 f"cannot convert {name} to DASH: supported are Adam, AdamW, SGD, Adagrad, RMSprop "
@@ -111,8 +117,9 @@ def dash_group_settings(optimizer: torch.optim.Optimizer, factor_decay: float = 
     return settings, {"grafting": grafting, "nesterov": nesterov}
 
 
-def converted_groups(optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
-                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def converted_groups(
+    optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``optimizer``'s own group dictionaries, updated to DASH settings, and DASH's
     optimizer-wide options (see ``DASH.from_optimizer``).
 

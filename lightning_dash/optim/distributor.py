@@ -10,7 +10,7 @@ same order with the same metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -29,7 +29,7 @@ class BlockUpdate:
 
     stack: int
     plan: StackPlan
-    index: Optional[Tensor]
+    index: Tensor | None
     update: Tensor
 
 
@@ -73,7 +73,7 @@ class BlockDistributor(Protocol):
         """``[failed roots, longest streak]`` summed and maxed over ranks."""
         ...
 
-    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Tensor]]]:
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Tensor]] | None:
         """Every rank's per-parameter state (keyed by state-dict position, each block held
         by one rank) merged into one on rank 0; None on the other ranks."""
         ...
@@ -107,5 +107,5 @@ class LocalDistributor:
     def reduce_failures(self, summary: Tensor) -> Tensor:
         return summary
 
-    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> Optional[dict[int, dict[str, Any]]]:
+    def gather_states(self, state: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Any]] | None:
         return state

@@ -16,12 +16,10 @@ tensors. A decay of 1 accumulates AdaGrad-style sums instead of an average.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
-Decay = Union[float, Tensor]
+Decay = float | Tensor
 
 
 def _weights(decay: Decay) -> tuple[Decay, Decay]:

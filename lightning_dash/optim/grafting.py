@@ -12,12 +12,11 @@ hyperparameters may be Python numbers or tensors that broadcast per block.
 from __future__ import annotations
 
 import math
-from typing import Union
 
 import torch
 from torch import Tensor
 
-Scalar = Union[float, Tensor]
+Scalar = float | Tensor
 
 GRAFTING_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
 
@@ -71,8 +70,11 @@ def grafting_direction(
         return momentum
     if kind in ("adagrad", "rmsprop"):
         return momentum / (rms + epsilon)
-    root = (second_moment_correction.sqrt() if isinstance(second_moment_correction, Tensor)
-            else math.sqrt(second_moment_correction))
+    root = (
+        second_moment_correction.sqrt()
+        if isinstance(second_moment_correction, Tensor)
+        else math.sqrt(second_moment_correction)
+    )
     return (momentum * root) / (rms + epsilon * root)
 
 

@@ -10,8 +10,9 @@ per-parameter entries of ``optimizer.state``, and exported back to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,8 +115,14 @@ def build_layout(
     return Layout(params, group_of, names, steps, stacks, vectors)
 
 
-def _vector_group(group_index: int, indices: list[int], params: list[Tensor], saved: dict[int, dict[str, Tensor]],
-                  device: torch.device, dtype: torch.dtype) -> VectorGroup:
+def _vector_group(
+    group_index: int,
+    indices: list[int],
+    params: list[Tensor],
+    saved: dict[int, dict[str, Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> VectorGroup:
     numels = [params[i].numel() for i in indices]
     offsets = [sum(numels[:k]) for k in range(len(numels))]
     momentum = torch.zeros(sum(numels), device=device, dtype=dtype)
@@ -146,7 +153,7 @@ def export_layout(layout: Layout, block_size: int, include_vectors: bool = True)
     return out
 
 
-def owned_blocks(layout: Optional[Layout]) -> int:
+def owned_blocks(layout: Layout | None) -> int:
     """Blocks whose statistics this process holds."""
     return 0 if layout is None else sum(stack.plan.num_blocks for stack in layout.stacks)
 
@@ -158,8 +165,11 @@ def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
     for group_index, group in enumerate(param_groups):
         given = group.get("param_names")
         for position, param in enumerate(group["params"]):
-            names.append(str(given[position]) if given is not None
-                         else f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}")
+            names.append(
+                str(given[position])
+                if given is not None
+                else f"param_groups[{group_index}]['params'][{position}] {tuple(param.shape)}"
+            )
     return names
 
 
@@ -167,8 +177,13 @@ def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
 PlanStacks = Callable[[list[Region], list[Tensor], list[int]], list[StackPlan]]
 
 
-def stack_state(param_groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]], plan_stacks: PlanStacks,
-                block_size: int, want_second_moment: bool) -> Layout:
+def stack_state(
+    param_groups: list[dict[str, Any]],
+    state: dict[Tensor, dict[str, Any]],
+    plan_stacks: PlanStacks,
+    block_size: int,
+    want_second_moment: bool,
+) -> Layout:
     """Move the per-parameter statistics of ``state`` (an optimizer's) into a new layout
     of the stacks ``plan_stacks`` gives this process; only step counts stay in ``state``."""
     params = [p for group in param_groups for p in group["params"]]
@@ -181,8 +196,14 @@ def stack_state(param_groups: list[dict[str, Any]], state: dict[Tensor, dict[str
     regions = matrix_regions(params, block_size)
     frequencies = [param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
     layout = build_layout(
-        params, group_of, param_names(param_groups), saved, plan_stacks(regions, params, frequencies), block_size,
-        want_momentum=any(group["betas"][0] > 0 for group in param_groups), want_second_moment=want_second_moment,
+        params,
+        group_of,
+        param_names(param_groups),
+        saved,
+        plan_stacks(regions, params, frequencies),
+        block_size,
+        want_momentum=any(group["betas"][0] > 0 for group in param_groups),
+        want_second_moment=want_second_moment,
     )
     for param in params:
         step = state[param]["step"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,6 +21,7 @@ from lightning_dash.optim.root_common import (
     spectral_upper_bound,
     symmetrize,
 )
+
 
 def _newton_schulz_map(value: float) -> float:
     """What one Newton-Schulz step does to an eigenvalue ``w`` of ``Z Y``."""
@@ -110,7 +110,7 @@ def planned_coupled_newton_iterations(lower: float, root: int, tolerance: float)
 
 
 def _newton_schulz_inverse_sqrt(
-    matrices: Tensor, iterations: Optional[int], tolerance: float, dtype: torch.dtype, floor: float, upper: float
+    matrices: Tensor, iterations: int | None, tolerance: float, dtype: torch.dtype, floor: float, upper: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Scaled coupled Newton-Schulz iteration; returns ``(A^(1/2), A^(-1/2), residual)``.
 

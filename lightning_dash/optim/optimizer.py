@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,10 +54,10 @@ class DASH(DashStateDict):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: Optional[float] = None,
+        lr: float | None = None,
         *,
-        config: Optional[DashConfig] = None,
-        distributor: Optional[BlockDistributor] = None,
+        config: DashConfig | None = None,
+        distributor: BlockDistributor | None = None,
         **options: Any,
     ) -> None:
         if lr is not None:
@@ -75,11 +76,15 @@ class DASH(DashStateDict):
         #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
         self.collective_state_dict = False
         #: The root computation: synchronous, or on a side CUDA stream.
-        self.roots = RootRefresher(self.root_settings, self._config.bias_correction,
-                                   self._config.async_preconditioning, self._config.max_staleness)
-        self._layout: Optional[Layout] = None
+        self.roots = RootRefresher(
+            self.root_settings,
+            self._config.bias_correction,
+            self._config.async_preconditioning,
+            self._config.max_staleness,
+        )
+        self._layout: Layout | None = None
         self._distributor: BlockDistributor = distributor or LocalDistributor()
-        self._consolidated: Optional[dict[int, dict[str, Tensor]]] = None
+        self._consolidated: dict[int, dict[str, Tensor]] | None = None
         defaults = self._config.group_defaults()
         super().__init__(params, defaults)
 
@@ -116,7 +121,7 @@ class DASH(DashStateDict):
         return self._distributor
 
     @distributor.setter
-    def distributor(self, distributor: Optional[BlockDistributor]) -> None:
+    def distributor(self, distributor: BlockDistributor | None) -> None:
         self._retire_layout()
         self._distributor = distributor or LocalDistributor()
 
@@ -139,7 +144,7 @@ class DASH(DashStateDict):
         return sum(int(stack.state.root_valid.sum()) for stack in self._layout.stacks)
 
     @property
-    def last_root_residual(self) -> Optional[Tensor]:
+    def last_root_residual(self) -> Tensor | None:
         """Largest Newton residual of the roots accepted in the latest step (None if none were)."""
         return self.roots.last_residual
 
@@ -159,7 +164,7 @@ class DASH(DashStateDict):
         return self.roots.pipeline.wait_ms
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> "DASH":
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> DASH:
         """DASH over ``optimizer``'s own parameter-group dictionaries.
 
         Learning rates, momenta, epsilons and weight decay map onto DASH and its
@@ -189,8 +194,13 @@ class DASH(DashStateDict):
     def _current_layout(self) -> Layout:
         """The stacked state, built from ``self.state`` when there is none."""
         if self._layout is None:
-            self._layout = stack_state(self.param_groups, self.state, self._distributor.plan_stacks, self.block_size,
-                                       want_second_moment=uses_second_moment(self.grafting))
+            self._layout = stack_state(
+                self.param_groups,
+                self.state,
+                self._distributor.plan_stacks,
+                self.block_size,
+                want_second_moment=uses_second_moment(self.grafting),
+            )
         return self._layout
 
     def _retire_layout(self) -> None:
@@ -218,7 +228,7 @@ class DASH(DashStateDict):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; calls ``closure`` (with gradients enabled) first if given.
 
         The step is applied whole or not at all: every new statistic, root and update
@@ -258,19 +268,25 @@ class DASH(DashStateDict):
         whether the step was committed."""
         rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
         groups = self.param_groups
-        due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]])
-                  for i in active)
+        due = any(
+            layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active
+        )
         # Side-stream roots swap in before any statistics move (and before blocks are copied out).
         report = self.roots.begin_step(layout, due)
-        vectors = [work for vector in layout.vectors
-                   if (work := vector_work(layout, vector, groups[vector.group_index], active, rules))]
+        vectors = [
+            work
+            for vector in layout.vectors
+            if (work := vector_work(layout, vector, groups[vector.group_index], active, rules))
+        ]
         positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
         works = [work for stack in layout.stacks if (work := begin_stack(layout, stack, groups, active, rules))]
         report = self.roots.refresh(layout, works, due) or report
         if report is not None:
             self._count_failures(layout, report)
-        updates = [BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules))
-                   for work in works]
+        updates = [
+            BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules))
+            for work in works
+        ]
         shared = self._distributor.share_updates(updates)
         checked = shared.tensors() + [work.update for work in vectors]
         if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):

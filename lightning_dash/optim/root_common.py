@@ -4,7 +4,6 @@ small batched-matrix helpers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -32,7 +31,7 @@ class RootResult:
     """Roots of a stack and, for the Newton solvers, the last per-block residual."""
 
     root: Tensor
-    residual: Optional[Tensor]
+    residual: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,9 @@ class RootSettings:
     method: str = "newton_db"
     scaling: str = "power_iteration"
     matmul_dtype: torch.dtype = torch.float32
-    iterations: Optional[int] = None
+    iterations: int | None = None
     chebyshev_degree: int = 40
-    tolerance: Optional[float] = None
+    tolerance: float | None = None
     relative_epsilon: bool = False
 
     def resolved_tolerance(self) -> float:
@@ -82,7 +81,6 @@ def spectral_upper_bound(scaling: str) -> float:
     return 1.0 if scaling == "frobenius" else 1.5
 
 
-
 def identity_like(matrices: Tensor) -> Tensor:
     n, size, _ = matrices.shape
     return torch.eye(size, dtype=matrices.dtype, device=matrices.device).expand(n, size, size)
@@ -108,5 +106,3 @@ def add_diagonal(matrices: Tensor, values: Tensor) -> Tensor:
 
 def freeze(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
     return torch.where(active[:, None, None], new, old)
-
-

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from lightning_dash.optim.distributor import BlockDistributor
@@ -14,8 +12,7 @@ class RootComputationError(RuntimeError):
     """A block's inverse root failed ``max_consecutive_root_failures`` times in a row."""
 
 
-def count_root_failures(report: FailureReport, distributor: BlockDistributor,
-                        device: torch.device) -> tuple[int, int]:
+def count_root_failures(report: FailureReport, distributor: BlockDistributor, device: torch.device) -> tuple[int, int]:
     """Roots ``report`` rejected over all ranks, and the longest failure streak of any
     block (collective when blocks are owned by several ranks; ``device``: the
     parameters', where the collective runs)."""
@@ -25,7 +22,7 @@ def count_root_failures(report: FailureReport, distributor: BlockDistributor,
     return int(summary[0]), int(summary[1])
 
 
-def raise_on_streak(report: FailureReport, names: list[str], longest: int, limit: Optional[int], method: str) -> None:
+def raise_on_streak(report: FailureReport, names: list[str], longest: int, limit: int | None, method: str) -> None:
     """Raise :class:`RootComputationError` once the longest streak (over all ranks)
     reaches ``limit``, naming the parameter when this rank holds the block.
 

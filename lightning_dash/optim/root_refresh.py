@@ -16,8 +16,8 @@ are to be checked against, as a :class:`FailureReport`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -58,7 +58,7 @@ class RootRequest:
 class RootJob:
     """The roots due in one step: solver calls, and the (state, blocks) each result goes to."""
 
-    targets: list[tuple[StackState, Optional[Tensor]]]
+    targets: list[tuple[StackState, Tensor | None]]
     requests: list[RootRequest]
 
 
@@ -77,9 +77,12 @@ def root_inputs(work: StackWork, bias_correction: bool) -> tuple[Tensor, Tensor,
         left, right, scale = left[work.due], right[work.due], scale[work.due]
     if bias_correction:
         correction = per_block(
-            [1.0 - g["betas"][1] ** work.steps[k] if g["betas"][1] < 1 else 1.0
-             for k, g in zip(work.due_regions, groups)],
-            counts, device,
+            [
+                1.0 - g["betas"][1] ** work.steps[k] if g["betas"][1] < 1 else 1.0
+                for k, g in zip(work.due_regions, groups)
+            ],
+            counts,
+            device,
         )
         scale = scale / (correction.double() if isinstance(correction, Tensor) else correction)
     eps = per_block([g["epsilon"] for g in groups], counts, device)
@@ -95,7 +98,7 @@ def root_job(works: list[StackWork], bias_correction: bool, whole_stacks: bool) 
     or to its stack's full state (``True``: installed at a later step, after the
     work's blocks were committed; the factors are then copied).
     """
-    targets: list[tuple[StackState, Optional[Tensor]]] = []
+    targets: list[tuple[StackState, Tensor | None]] = []
     sizes: dict[tuple[int, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple[int, str]]]] = {}
     smallest: dict[tuple[int, torch.dtype], float] = {}
     for work in works:
@@ -113,15 +116,22 @@ def root_job(works: list[StackWork], bias_correction: bool, whole_stacks: bool) 
             epsilons.append(eps)
             pieces.append((target, side))
     requests = [
-        RootRequest(torch.cat(factors), torch.cat(epsilons), torch.cat(scales), smallest[key], pieces,
-                    [f.shape[0] for f in factors])
+        RootRequest(
+            torch.cat(factors),
+            torch.cat(epsilons),
+            torch.cat(scales),
+            smallest[key],
+            pieces,
+            [f.shape[0] for f in factors],
+        )
         for key, (factors, scales, epsilons, pieces) in sizes.items()
     ]
     return RootJob(targets, requests)
 
 
-def accept_roots(state: StackState, due: Optional[Tensor], left: Tensor, left_ok: Tensor,
-                 right: Tensor, right_ok: Tensor) -> Tensor:
+def accept_roots(
+    state: StackState, due: Tensor | None, left: Tensor, left_ok: Tensor, right: Tensor, right_ok: Tensor
+) -> Tensor:
     """Keep new roots where both are acceptable, otherwise the previous ones; returns
     ``[failed blocks, longest streak]``. The state's root tensors are replaced, never
     written in place (they may be shared with the committed state until the step commits)."""
@@ -161,20 +171,20 @@ class RootRefresher:
         self.asynchronous = asynchronous
         self.pipeline = RootPipeline(max_staleness)
         self.solver: Solver = inverse_root
-        self.last_residual: Optional[Tensor] = None
+        self.last_residual: Tensor | None = None
 
     def streamed(self, layout: Layout) -> bool:
         """Whether this layout's roots go through the side stream (the same on every rank)."""
         return self.asynchronous and bool(layout.params) and self.pipeline.handles(layout.params[0].device)
 
-    def begin_step(self, layout: Layout, roots_due: bool) -> Optional[FailureReport]:
+    def begin_step(self, layout: Layout, roots_due: bool) -> FailureReport | None:
         """Before statistics move: swap in side-stream roots that are ready or due; a
         report when the open launch closed (its failures count in this step)."""
         if self.streamed(layout) and self.pipeline.begin_step(roots_due, self.install):
             return FailureReport(self.pipeline.take_failures(), committed_streaks(layout))
         return None
 
-    def refresh(self, layout: Layout, works: list[StackWork], roots_due: bool) -> Optional[FailureReport]:
+    def refresh(self, layout: Layout, works: list[StackWork], roots_due: bool) -> FailureReport | None:
         """Synchronous path: recompute the due roots into the works' candidate states."""
         if not roots_due or self.streamed(layout):
             return None
@@ -190,7 +200,7 @@ class RootRefresher:
         snapshots = [t for request in job.requests for t in (request.inputs, request.eps, request.scale)]
         self.pipeline.launch(job, snapshots, lambda: self._solve(job), layout.params[0].device)
 
-    def settle(self, layout: Optional[Layout], collective: bool) -> Optional[FailureReport]:
+    def settle(self, layout: Layout | None, collective: bool) -> FailureReport | None:
         """Swap pending side-stream roots in now, so saved or exported state holds them.
 
         ``collective``: every rank calls this together, so the launch is closed here and a
@@ -207,8 +217,10 @@ class RootRefresher:
         self.pipeline.discard()
 
     def _solve(self, job: RootJob) -> list[RootResult]:
-        return [self.solver(request.inputs, request.eps, 4, self.settings, request.scale, request.min_eps)
-                for request in job.requests]
+        return [
+            self.solver(request.inputs, request.eps, 4, self.settings, request.scale, request.min_eps)
+            for request in job.requests
+        ]
 
     def install(self, job: RootJob, solved: list[RootResult]) -> list[Tensor]:
         """Accept solved roots into their targets; returns their failure tensors."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -69,8 +68,7 @@ def _working_dtype(statistics: Tensor) -> torch.dtype:
     return torch.float64 if statistics.dtype == torch.float64 else torch.float32
 
 
-def normalise(statistics: Tensor, eps: Tensor, scale: Optional[Tensor], relative: bool
-              ) -> tuple[Tensor, Tensor, Tensor]:
+def normalise(statistics: Tensor, eps: Tensor, scale: Tensor | None, relative: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Rewrite ``scale * statistics + d I`` as ``a * (normalised + e I)`` with ``a > 0``.
 
     ``d`` is ``eps`` (absolute damping) or, with ``relative``, ``eps`` times the
@@ -98,7 +96,7 @@ def normalise(statistics: Tensor, eps: Tensor, scale: Optional[Tensor], relative
     return normalised, (damping / total).to(work), total
 
 
-def spectrum_floor(settings: RootSettings, size: int, min_eps: Optional[float]) -> float:
+def spectrum_floor(settings: RootSettings, size: int, min_eps: float | None) -> float:
     """A host-side lower bound of the smallest eigenvalue the Newton solvers see (after
     :func:`normalise` and the solver's scaling): the relative damping ``e`` over the
     largest possible scale, never below the matmul dtype's :func:`noise_floor`.
@@ -115,8 +113,14 @@ def spectrum_floor(settings: RootSettings, size: int, min_eps: Optional[float]) 
     return max(floor, damping / largest_scale)
 
 
-def inverse_root(statistics: Tensor, eps: Tensor, root: int, settings: RootSettings,
-                 scale: Optional[Tensor] = None, min_eps: Optional[float] = None) -> RootResult:
+def inverse_root(
+    statistics: Tensor,
+    eps: Tensor,
+    root: int,
+    settings: RootSettings,
+    scale: Tensor | None = None,
+    min_eps: float | None = None,
+) -> RootResult:
     """Compute ``(scale * statistics + d I)^(-1/root)`` for every block of a stack.
 
     Args:
@@ -141,9 +145,7 @@ def inverse_root(statistics: Tensor, eps: Tensor, root: int, settings: RootSetti
         block and are left for the caller to reject.
     """
     if settings.method not in INVERSE_ROOT_METHODS:
-        raise ValueError(
-            f"inverse_root_method must be one of {INVERSE_ROOT_METHODS}, got {settings.method!r}"
-        )
+        raise ValueError(f"inverse_root_method must be one of {INVERSE_ROOT_METHODS}, got {settings.method!r}")
     matrices, eps, magnitude = normalise(statistics, eps, scale, settings.relative_epsilon)
     if matrices.dtype == torch.float64:
         settings = replace(settings, matmul_dtype=torch.float64)

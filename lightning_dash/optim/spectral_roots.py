@@ -9,13 +9,14 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.root_common import (
-    RootSettings,
     UNIT_ROUNDOFF,
+    RootSettings,
     bmm,
     identity_like,
     spectral_upper_bound,
     symmetrize,
 )
+
 
 def chebyshev_floor(degree: int, tolerance: float = 1e-3) -> float:
     """Smallest relative eigenvalue for which a degree-``degree`` interpolant is accurate.
@@ -26,9 +27,7 @@ def chebyshev_floor(degree: int, tolerance: float = 1e-3) -> float:
     return (math.log(1.0 / tolerance) / (2.0 * degree)) ** 2
 
 
-def chebyshev(
-    matrices: Tensor, relative_eps: Tensor, root: int, settings: RootSettings
-) -> Tensor:
+def chebyshev(matrices: Tensor, relative_eps: Tensor, root: int, settings: RootSettings) -> Tensor:
     """Clenshaw evaluation of the Chebyshev interpolant of ``x^(-1/p)`` on ``[low, high]``.
 
     ``matrices`` has its spectrum in ``[relative_eps, ~1]``. ``low`` is the larger of
@@ -57,8 +56,9 @@ def chebyshev(
     following = torch.zeros_like(matrices)
     current = coefficients[:, degree, None, None] * identity
     for k in range(degree - 1, 0, -1):
-        following, current = current, (
-            2.0 * bmm(mapped, current, dtype) - following + coefficients[:, k, None, None] * identity
+        following, current = (
+            current,
+            (2.0 * bmm(mapped, current, dtype) - following + coefficients[:, k, None, None] * identity),
         )
     result = bmm(mapped, current, dtype) - following + coefficients[:, 0, None, None] * identity
     return symmetrize(result)

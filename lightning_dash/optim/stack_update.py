@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from lightning_dash.optim.layout import Layout, Stack, VectorGroup
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState
 
 #: A value per block: a float when every block agrees, else a vector.
-PerBlock = Union[float, Tensor]
+PerBlock = float | Tensor
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,9 @@ def roots_due(step: int, group: dict[str, Any]) -> bool:
     return step >= start and (step - start) % group["precondition_frequency"] == 0
 
 
-def momentum_terms(rules: UpdateRules, steps: list[int], counts: list[int], betas1: list[float],
-                   device: torch.device) -> PerBlock:
+def momentum_terms(
+    rules: UpdateRules, steps: list[int], counts: list[int], betas1: list[float], device: torch.device
+) -> PerBlock:
     """``1 - beta1**t`` (``t + 1`` with Nesterov), per block."""
     if not rules.bias_correction:
         return 1.0
@@ -67,8 +68,9 @@ def momentum_terms(rules: UpdateRules, steps: list[int], counts: list[int], beta
     return per_block([1.0 - b ** (t + shift) for b, t in zip(betas1, steps)], counts, device)
 
 
-def next_momentum(rules: UpdateRules, momentum: Optional[Tensor], grad: Tensor, beta1: PerBlock
-                  ) -> tuple[Optional[Tensor], Tensor]:
+def next_momentum(
+    rules: UpdateRules, momentum: Tensor | None, grad: Tensor, beta1: PerBlock
+) -> tuple[Tensor | None, Tensor]:
     """The next EMA of the gradient (a new tensor) and the momentum the step follows."""
     if momentum is None:
         return None, grad
@@ -108,8 +110,8 @@ class VectorWork:
     vector: VectorGroup
     params: list[Tensor]
     numels: list[int]
-    index: Optional[Tensor]
-    momentum: Optional[Tensor]
+    index: Tensor | None
+    momentum: Tensor | None
     rms: Tensor
     update: Tensor
 
@@ -129,8 +131,9 @@ class VectorWork:
             self.vector.rms[self.index] = self.rms
 
 
-def vector_work(layout: Layout, vector: VectorGroup, group: dict[str, Any], active: set[int],
-                rules: UpdateRules) -> Optional[VectorWork]:
+def vector_work(
+    layout: Layout, vector: VectorGroup, group: dict[str, Any], active: set[int], rules: UpdateRules
+) -> VectorWork | None:
     """Candidate grafting-optimizer step of the one-dimensional parameters of one group."""
     members = [k for k, index in enumerate(vector.param_indices) if index in active]
     if not members:
@@ -142,9 +145,9 @@ def vector_work(layout: Layout, vector: VectorGroup, group: dict[str, Any], acti
     if len(members) == len(vector.param_indices):
         index, momentum, rms = None, vector.momentum, vector.rms
     else:
-        index = torch.cat([
-            torch.arange(vector.offsets[k], vector.offsets[k] + vector.numels[k]) for k in members
-        ]).to(device)
+        index = torch.cat([torch.arange(vector.offsets[k], vector.offsets[k] + vector.numels[k]) for k in members]).to(
+            device
+        )
         momentum, rms = vector.momentum[index], vector.rms[index]
     steps = [layout.steps[vector.param_indices[k]] for k in members]
     beta1, _ = group["betas"]
@@ -153,9 +156,7 @@ def vector_work(layout: Layout, vector: VectorGroup, group: dict[str, Any], acti
         rms = next_rms(rms, grad, rules.fallback, graft_beta2)
     momentum, followed = next_momentum(rules, momentum if beta1 > 0 else None, grad, beta1)
     first_term = momentum_terms(rules, steps, numels, [beta1] * len(steps), device)
-    second_term = (
-        per_block([1.0 - graft_beta2**t for t in steps], numels, device) if rules.bias_correction else 1.0
-    )
+    second_term = per_block([1.0 - graft_beta2**t for t in steps], numels, device) if rules.bias_correction else 1.0
     direction = grafting_direction(followed / first_term, rms, rules.fallback, group["grafting_epsilon"], second_term)
     return VectorWork(vector, params, numels, index, momentum, rms, direction.mul_(-group["lr"]))
 
@@ -166,12 +167,12 @@ class StackWork:
 
     stack: Stack
     plan: StackPlan
-    index: Optional[Tensor]
+    index: Tensor | None
     state: StackState
     momentum: Tensor
     steps: list[int]
     groups: list[dict[str, Any]]
-    due: Optional[Tensor]
+    due: Tensor | None
     due_regions: list[int]
 
     def commit(self) -> None:
@@ -182,15 +183,16 @@ class StackWork:
         else:
             self.stack.state.commit(self.index, self.state)
 
-    def positions(self) -> Optional[Tensor]:
+    def positions(self) -> Tensor | None:
         """Positions in the whole stack of the due blocks (None: every block)."""
         if self.index is None:
             return self.due
         return self.index if self.due is None else self.index[self.due]
 
 
-def begin_stack(layout: Layout, stack: Stack, groups: list[dict[str, Any]], active: set[int],
-                rules: UpdateRules) -> Optional[StackWork]:
+def begin_stack(
+    layout: Layout, stack: Stack, groups: list[dict[str, Any]], active: set[int], rules: UpdateRules
+) -> StackWork | None:
     """Candidate factors, second moment and momentum of the moving blocks of one stack."""
     regions = [r for r in stack.plan.regions if r.param_index in active]
     if not regions:
@@ -227,10 +229,9 @@ def begin_stack(layout: Layout, stack: Stack, groups: list[dict[str, Any]], acti
     due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g)]
     due = None
     if due_regions and len(due_regions) < len(plan.regions):
-        due = torch.cat([
-            torch.arange(plan.regions[k].stack_offset, plan.regions[k].stack_offset + counts[k])
-            for k in due_regions
-        ]).to(device)
+        due = torch.cat(
+            [torch.arange(plan.regions[k].stack_offset, plan.regions[k].stack_offset + counts[k]) for k in due_regions]
+        ).to(device)
     return StackWork(stack, plan, index, state, followed / first_term, steps, region_groups, due, due_regions)
 
 
@@ -241,9 +242,9 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
     counts = [r.num_blocks for r in plan.regions]
     second_term: PerBlock = 1.0
     if rules.bias_correction:
-        second_term = blockwise(per_block(
-            [1.0 - g["grafting_beta2"] ** t for g, t in zip(groups, work.steps)], counts, device
-        ))
+        second_term = blockwise(
+            per_block([1.0 - g["grafting_beta2"] ** t for g, t in zip(groups, work.steps)], counts, device)
+        )
     epsilon = blockwise(per_block([g["grafting_epsilon"] for g in groups], counts, device))
     fallback = grafting_direction(work.momentum, state.grafting_rms, rules.fallback, epsilon, second_term)
     started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]

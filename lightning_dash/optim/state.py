@@ -20,7 +20,6 @@ factors) load too.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -48,12 +47,13 @@ class StackState:
     root_valid: Tensor
     root_failures: Tensor
     factor_scale: Tensor
-    momentum: Optional[Tensor] = None
-    grafting_rms: Optional[Tensor] = None
+    momentum: Tensor | None = None
+    grafting_rms: Tensor | None = None
 
     @classmethod
-    def zeros(cls, num_blocks: int, shape: tuple[int, int], device: torch.device,
-              dtype: torch.dtype = torch.float32) -> "StackState":
+    def zeros(
+        cls, num_blocks: int, shape: tuple[int, int], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> StackState:
         """Empty statistics in ``dtype`` (float64 for float64 parameters, else float32)."""
         rows, cols = shape
         square = lambda size: torch.zeros(num_blocks, size, size, device=device, dtype=dtype)  # noqa: E731
@@ -73,28 +73,29 @@ class StackState:
         if tensor is None:
             num_blocks, rows, _ = self.left_factor.shape
             cols = self.right_factor.shape[1]
-            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device,
-                                 dtype=self.left_factor.dtype)
+            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device, dtype=self.left_factor.dtype)
             setattr(self, name, tensor)
         return tensor
 
-    def copy(self) -> "StackState":
+    def copy(self) -> StackState:
         """A new record holding the same tensors (fields can then be replaced freely)."""
         return StackState(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-    def assign(self, other: "StackState") -> None:
+    def assign(self, other: StackState) -> None:
         """Take every field of ``other`` (the tensors themselves, not copies)."""
         for f in fields(self):
             setattr(self, f.name, getattr(other, f.name))
 
-    def select(self, index: Tensor) -> "StackState":
+    def select(self, index: Tensor) -> StackState:
         """Copies of the blocks at ``index`` (for steps where only some blocks move)."""
-        return StackState(**{
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).index_select(0, index)
-            for f in fields(self)
-        })
+        return StackState(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).index_select(0, index)
+                for f in fields(self)
+            }
+        )
 
-    def commit(self, index: Tensor, part: "StackState") -> None:
+    def commit(self, index: Tensor, part: StackState) -> None:
         """Write the blocks of ``part`` back to positions ``index``."""
         for f in fields(self):
             value = getattr(part, f.name)
@@ -167,8 +168,10 @@ def import_stack(
             if name in entry:
                 full = entry[name]
                 if full.numel() != param.numel():
-                    raise ValueError(f"saved {name} of {names[region.param_index]} has shape "
-                                     f"{tuple(full.shape)}, expected {tuple(param.shape)}")
+                    raise ValueError(
+                        f"saved {name} of {names[region.param_index]} has shape "
+                        f"{tuple(full.shape)}, expected {tuple(param.shape)}"
+                    )
                 region.tiles(state.ensure(name)).copy_(region.window(full.reshape(shape)))
         for row in range(region.tile_rows):
             for col in range(region.tile_cols):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from functools import wraps
@@ -11,13 +12,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
-from lightning_dash.integration import ConversionOptions
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
 
 
@@ -39,6 +42,16 @@ def _track_scheduler_calls(optimizer: Optimizer) -> None:
     optimizer.step = step  # type: ignore[method-assign]
 
 
+def _check_ddp_options(options: dict[str, Any]) -> None:
+    """Refuse a keyword that neither DASH, DDPStrategy nor DistributedDataParallel takes
+    (a typo would otherwise fail only when the model is wrapped)."""
+    known = set(inspect.signature(DDPStrategy.__init__).parameters)
+    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"DashStrategy got unknown option(s) {unknown}; DASH options: {sorted(OPTION_NAMES)}")
+
+
 class DashStrategy(DDPStrategy):
     """DDP whose optimizer is DASH, with each Shampoo block owned by one rank.
 
@@ -52,13 +65,10 @@ class DashStrategy(DDPStrategy):
     Args:
         config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
             differ from the defaults override the values mapped from the user's optimizer.
-        lr, betas, epsilon, relative_epsilon, weight_decay, block_size, precondition_frequency,
-        start_preconditioning_step, inverse_root_method, matrix_scaling, matmul_dtype, grafting,
-        grafting_beta2, grafting_epsilon, shampoo_blend, nesterov, bias_correction, root_iterations,
-        chebyshev_degree, max_consecutive_root_failures, async_preconditioning, max_staleness:
-            every DASH option by keyword (meanings: :class:`~lightning_dash.optim.DashConfig`);
-            one that is not None overrides ``config`` and the value mapped from the user's
-            optimizer (:mod:`lightning_dash.integration.options` states the rule). With
+        DashConfig options: every :class:`~lightning_dash.optim.DashConfig` option by keyword (they
+            appear in this signature, generated from DashConfig); one that is not None
+            overrides ``config`` and the value mapped from the user's optimizer
+            (:mod:`lightning_dash.integration.options` states the rule). With
             ``async_preconditioning`` each rank computes its due roots on a side CUDA stream.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
         allow_custom_step: convert a subclass of a supported optimizer that overrides
@@ -75,32 +85,11 @@ class DashStrategy(DDPStrategy):
 
     strategy_name = "dash"
 
+    @accepts_dash_options
     def __init__(
         self,
         *,
         config: DashConfig | None = None,
-        lr: float | None = None,
-        betas: tuple[float, float] | None = None,
-        epsilon: float | None = None,
-        relative_epsilon: bool | None = None,
-        weight_decay: float | None = None,
-        block_size: int | None = None,
-        precondition_frequency: int | None = None,
-        start_preconditioning_step: int | None = None,
-        inverse_root_method: str | None = None,
-        matrix_scaling: str | None = None,
-        matmul_dtype: str | torch.dtype | None = None,
-        grafting: str | None = None,
-        grafting_beta2: float | None = None,
-        grafting_epsilon: float | None = None,
-        shampoo_blend: float | None = None,
-        nesterov: bool | None = None,
-        bias_correction: bool | None = None,
-        root_iterations: int | None = None,
-        chebyshev_degree: int | None = None,
-        max_consecutive_root_failures: int | None = None,
-        async_preconditioning: bool | None = None,
-        max_staleness: int | None = None,
         factor_decay: float | None = None,
         allow_custom_step: bool | None = None,
         communication_dtype: torch.dtype | str = torch.float32,
@@ -110,19 +99,16 @@ class DashStrategy(DDPStrategy):
         demo_momentum: float = 0.999,
         **kwargs: Any,
     ) -> None:
+        options = take_dash_options(kwargs)
+        _check_ddp_options(kwargs)
         super().__init__(**kwargs)
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = ConversionOptions.build(
-            config, factor_decay=factor_decay, allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype, lr=lr, betas=betas, epsilon=epsilon,
-            relative_epsilon=relative_epsilon, weight_decay=weight_decay, block_size=block_size,
-            precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
-            inverse_root_method=inverse_root_method, matrix_scaling=matrix_scaling, matmul_dtype=matmul_dtype,
-            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
-            shampoo_blend=shampoo_blend, nesterov=nesterov, bias_correction=bias_correction,
-            root_iterations=root_iterations, chebyshev_degree=chebyshev_degree,
-            max_consecutive_root_failures=max_consecutive_root_failures,
-            async_preconditioning=async_preconditioning, max_staleness=max_staleness,
+            config,
+            factor_decay=factor_decay,
+            allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype,
+            **options,
         )
         self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
         self.demo_options = {
@@ -138,12 +124,18 @@ class DashStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork"),
-                                   ("dash_notebook", "fork")):
+        for name, start_method in (
+            ("dash", "popen"),
+            ("dash_spawn", "spawn"),
+            ("dash_fork", "fork"),
+            ("dash_notebook", "fork"),
+        ):
             if name in strategy_registry:
                 continue
             strategy_registry.register(
-                name, cls, description=f"DDP with DASH (block-owned Shampoo), {start_method} launcher",
+                name,
+                cls,
+                description=f"DDP with DASH (block-owned Shampoo), {start_method} launcher",
                 start_method=start_method,
             )
 

@@ -70,15 +70,23 @@ class RecordLearningRates(Callback):
         self.lrs.append(state.optimizers[0].param_groups[0]["lr"])
 
 
-def make_trainer(kind: str, max_duration: str, save_folder: Path | None = None, run_name: str = "dash",
-                 load_path: str | None = None, autoresume: bool = False,
-                 algorithm_options: dict[str, Any] | None = None,
-                 callbacks: list[Callback] | None = None, loggers: list[Any] | None = None) -> Trainer:
+def make_trainer(
+    kind: str,
+    max_duration: str,
+    save_folder: Path | None = None,
+    run_name: str = "dash",
+    load_path: str | None = None,
+    autoresume: bool = False,
+    algorithm_options: dict[str, Any] | None = None,
+    callbacks: list[Callback] | None = None,
+    loggers: list[Any] | None = None,
+) -> Trainer:
     model = build_model(kind)
     data = windows(kind)
     per_rank = GLOBAL_BATCH // dist.get_world_size()
-    loader = DataLoader(data, batch_size=per_rank, sampler=dist.get_sampler(data, shuffle=False),
-                        collate_fn=collate(kind))
+    loader = DataLoader(
+        data, batch_size=per_rank, sampler=dist.get_sampler(data, shuffle=False), collate_fn=collate(kind)
+    )
     optimizer = DecoupledAdamW(model.parameters(), lr=BASE_LR, betas=(0.9, 0.99), weight_decay=1e-4)
     return Trainer(
         model=model,
@@ -114,14 +122,20 @@ def _without_key_third(name: str, value: torch.Tensor) -> torch.Tensor:
     return torch.cat([value[:third], value[2 * third :]])
 
 
-def assert_matches_reference(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                             rtol: float, atol: float) -> None:
+def assert_matches_reference(
+    ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float, atol: float
+) -> None:
     """Compare parameters by name, elementwise (runs whose arithmetic is the same up to
     the order of a few sums)."""
     assert ours.keys() == expected.keys()
     for name, value in ours.items():
-        torch.testing.assert_close(_without_key_third(name, value), _without_key_third(name, expected[name]),
-                                   rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            _without_key_third(name, value),
+            _without_key_third(name, expected[name]),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def assert_tracks_reference(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], kind: str) -> None:
@@ -168,8 +182,9 @@ class RecordingDistributor(ProcessGroupDistributor):
         super().__init__()
         self.owners: list[int] = []
 
-    def assign_owners(self, keys: Sequence[Hashable], shapes: Sequence[tuple[int, int]],
-                      frequencies: Sequence[int]) -> list[int]:
+    def assign_owners(
+        self, keys: Sequence[Hashable], shapes: Sequence[tuple[int, int]], frequencies: Sequence[int]
+    ) -> list[int]:
         self.owners = super().assign_owners(keys, shapes, frequencies)
         return self.owners
 
@@ -185,24 +200,28 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     lrs = RecordLearningRates()
-    trainer = make_trainer(args.kind, args.max_duration, args.save_folder, args.run_name,
-                           autoresume=args.autoresume, callbacks=[lrs])
+    trainer = make_trainer(
+        args.kind, args.max_duration, args.save_folder, args.run_name, autoresume=args.autoresume, callbacks=[lrs]
+    )
     optimizer = trainer.state.optimizers[0]
     if optimizer.distributor is not None:  # the one Dash installed, made to record the block owners
         optimizer.distributor = RecordingDistributor()
     trainer.fit()
     rank = dist.get_global_rank()
     owners = optimizer.distributor.owners if optimizer.distributor is not None else []
-    torch.save({
-        "optimizer": type(optimizer).__name__,
-        "world_size": optimizer.distributor.world_size if optimizer.distributor is not None else 1,
-        "owners": owners,
-        "owned_blocks": owners.count(rank),
-        "ownership_balance": optimizer.ownership_balance,
-        "batches": trainer.state.timestamp.batch.value,
-        "lrs": lrs.lrs,
-        "parameters": named_parameters(trainer.state.model),
-    }, args.out / f"rank{rank}.pt")
+    torch.save(
+        {
+            "optimizer": type(optimizer).__name__,
+            "world_size": optimizer.distributor.world_size if optimizer.distributor is not None else 1,
+            "owners": owners,
+            "owned_blocks": owners.count(rank),
+            "ownership_balance": optimizer.ownership_balance,
+            "batches": trainer.state.timestamp.batch.value,
+            "lrs": lrs.lrs,
+            "parameters": named_parameters(trainer.state.model),
+        },
+        args.out / f"rank{rank}.pt",
+    )
     trainer.close()
 
 

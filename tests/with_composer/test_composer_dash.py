@@ -45,8 +45,7 @@ def test_dash_trains_with_the_composer_schedule(kind: str) -> None:
     assert trainer.state.schedulers[0].optimizer is trainer.state.optimizers[0]
     assert lrs.lrs == pytest.approx([BASE_LR * schedule_factor(b) for b in range(6)], rel=1e-12)
     # Independent expectation: DASH stepped by hand on the same batches and schedule.
-    assert_matches_reference(named_parameters(trainer.state.model), reference_parameters(kind, 6),
-                             rtol=1e-5, atol=1e-6)
+    assert_matches_reference(named_parameters(trainer.state.model), reference_parameters(kind, 6), rtol=1e-5, atol=1e-6)
     trainer.close()
 
 
@@ -106,7 +105,7 @@ def test_distributed_checkpoint_api_on_a_fresh_dash_changes_nothing() -> None:
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 256, (4, 24), generator=generator)
     batch = (tokens, torch.randint(0, 256, (4, 24), generator=generator))
-    for step in range(3):
+    for _ in range(3):
         for net, optimizer in ((model, touched), (twin, untouched)):
             optimizer.zero_grad()
             net.loss(net(batch), batch).backward()
@@ -168,8 +167,9 @@ def test_trainer_converts_with_every_option_keywords_winning_over_config() -> No
     optimizer = DecoupledAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.01)
     config = DashConfig(block_size=64, grafting_beta2=0.5, max_consecutive_root_failures=None)
     keywords = {name: value for name, value in NON_DEFAULT.items() if name != "grafting_beta2"}
-    trainer = Trainer(model=model, optimizers=optimizer, algorithms=[Dash(config, **keywords)], device="cpu",
-                      progress_bar=False)
+    trainer = Trainer(
+        model=model, optimizers=optimizer, algorithms=[Dash(config, **keywords)], device="cpu", progress_bar=False
+    )
     converted = trainer.state.optimizers[0]
     assert isinstance(converted, DASH)
     for name, value in NON_DEFAULT.items():
@@ -178,19 +178,22 @@ def test_trainer_converts_with_every_option_keywords_winning_over_config() -> No
     trainer.close()
 
 
-@pytest.mark.parametrize(("options", "error", "name"), [
-    ({"block_size": 0}, ValueError, "block_size"),
-    ({"inverse_root_method": "svd"}, ValueError, "inverse_root_method"),
-    ({"epsilon": -1.0}, ValueError, "epsilon"),
-    ({"matmul_dtype": "int8"}, ValueError, "matmul_dtype"),
-    ({"communication_dtype": "float64"}, ValueError, "communication_dtype"),
-    ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
-    ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
-    ({"shampoo_blend": 2.0}, ValueError, "shampoo_blend"),
-    ({"bias_correction": "no"}, TypeError, "bias_correction"),
-    ({"factor_decay": -0.5}, ValueError, "factor_decay"),
-    ({"config": {"block_size": 8}}, TypeError, "config"),
-])
+@pytest.mark.parametrize(
+    ("options", "error", "name"),
+    [
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"inverse_root_method": "svd"}, ValueError, "inverse_root_method"),
+        ({"epsilon": -1.0}, ValueError, "epsilon"),
+        ({"matmul_dtype": "int8"}, ValueError, "matmul_dtype"),
+        ({"communication_dtype": "float64"}, ValueError, "communication_dtype"),
+        ({"precondition_frequency": 1.5}, TypeError, "precondition_frequency"),
+        ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
+        ({"shampoo_blend": 2.0}, ValueError, "shampoo_blend"),
+        ({"bias_correction": "no"}, TypeError, "bias_correction"),
+        ({"factor_decay": -0.5}, ValueError, "factor_decay"),
+        ({"config": {"block_size": 8}}, TypeError, "config"),
+    ],
+)
 def test_bad_options_name_the_argument(options: dict, error: type, name: str) -> None:
     with pytest.raises(error, match=name):
         Dash(**options)
@@ -206,8 +209,13 @@ def test_an_unconvertible_optimizer_fails_at_init() -> None:
     from composer import Trainer
 
     with pytest.raises(ValueError, match="amsgrad"):
-        Trainer(model=model, optimizers=torch.optim.Adam(model.parameters(), amsgrad=True),
-                algorithms=[Dash()], device="cpu", progress_bar=False)
+        Trainer(
+            model=model,
+            optimizers=torch.optim.Adam(model.parameters(), amsgrad=True),
+            algorithms=[Dash()],
+            device="cpu",
+            progress_bar=False,
+        )
 
 
 class RecordGradientNorms(Callback):
@@ -224,8 +232,12 @@ class RecordGradientNorms(Callback):
 def test_monitors_log_through_composer() -> None:
     memory = InMemoryLogger()
     norms = RecordGradientNorms()
-    trainer = make_trainer("gpt", "4ba", callbacks=[norms, DashComposerMonitor(logging_interval=2),
-                                                    OptimizerMonitor(batch_log_interval=1)], loggers=[memory])
+    trainer = make_trainer(
+        "gpt",
+        "4ba",
+        callbacks=[norms, DashComposerMonitor(logging_interval=2), OptimizerMonitor(batch_log_interval=1)],
+        loggers=[memory],
+    )
     trainer.fit()
     step_ms = memory.data["dash/optimizer_step_ms"]
     assert [timestamp.batch.value for timestamp, _ in step_ms] == [2, 4]
@@ -255,8 +267,13 @@ def test_monitor_without_dash_is_a_clear_error() -> None:
     model = build_model("classifier")
     from composer import Trainer
 
-    trainer = Trainer(model=model, callbacks=[DashComposerMonitor()], device="cpu", progress_bar=False,
-                      train_dataloader=torch.utils.data.DataLoader([(torch.zeros(16, dtype=torch.long), 0)] * 2),
-                      max_duration="1ba")
+    trainer = Trainer(
+        model=model,
+        callbacks=[DashComposerMonitor()],
+        device="cpu",
+        progress_bar=False,
+        train_dataloader=torch.utils.data.DataLoader([(torch.zeros(16, dtype=torch.long), 0)] * 2),
+        max_duration="1ba",
+    )
     with pytest.raises(TypeError, match="DashComposerMonitor needs DASH"):
         trainer.fit()

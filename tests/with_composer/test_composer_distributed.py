@@ -46,12 +46,27 @@ def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
     # The ranks import this checkout's lightning_dash (SCRIPT.parents[2]), as the tests do.
     paths = [str(SCRIPT.parent), str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    command = [sys.executable, "-m", "composer.cli.launcher", "-n", "2", "--master_port", str(free_port()),
-               "--stderr", str(out / "stderr{rank}.txt"), str(SCRIPT), "--out", str(out), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "composer.cli.launcher",
+        "-n",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--stderr",
+        str(out / "stderr{rank}.txt"),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *args,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     if result.returncode != 0:
         logs = "".join(path.read_text() for path in sorted(out.glob("stderr*.txt")))
-        pytest.fail(f"launcher failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{logs[-3000:]}")
+        pytest.fail(
+            f"launcher failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{logs[-3000:]}"
+        )
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
@@ -63,8 +78,16 @@ def assert_same_on_both_ranks(ranks: list[dict]) -> None:
 
 @pytest.mark.parametrize("kind", ["gpt", "classifier"])
 def test_two_ranks_share_blocks_and_match_one_process(tmp_path: Path, kind: str) -> None:
-    ranks = launch(tmp_path, "run", "--kind", kind, "--max-duration", f"{TOTAL_BATCHES}ba",
-                   "--save-folder", str(tmp_path / "checkpoints"))
+    ranks = launch(
+        tmp_path,
+        "run",
+        "--kind",
+        kind,
+        "--max-duration",
+        f"{TOTAL_BATCHES}ba",
+        "--save-folder",
+        str(tmp_path / "checkpoints"),
+    )
     for rank in ranks:
         assert rank["optimizer"] == "DASH"
         assert rank["world_size"] == 2
@@ -83,13 +106,43 @@ def test_two_ranks_share_blocks_and_match_one_process(tmp_path: Path, kind: str)
 
 
 def test_two_rank_autoresume_continues_exactly(tmp_path: Path) -> None:
-    uninterrupted = launch(tmp_path, "full", "--kind", "gpt", "--max-duration", f"{TOTAL_BATCHES}ba",
-                           "--save-folder", str(tmp_path / "full_checkpoints"))
+    uninterrupted = launch(
+        tmp_path,
+        "full",
+        "--kind",
+        "gpt",
+        "--max-duration",
+        f"{TOTAL_BATCHES}ba",
+        "--save-folder",
+        str(tmp_path / "full_checkpoints"),
+    )
     folder = str(tmp_path / "checkpoints")
-    launch(tmp_path, "first", "--kind", "gpt", "--max-duration", "3ba", "--save-folder", folder,
-           "--run-name", "auto", "--autoresume")
-    resumed = launch(tmp_path, "second", "--kind", "gpt", "--max-duration", f"{TOTAL_BATCHES}ba",
-                     "--save-folder", folder, "--run-name", "auto", "--autoresume")
+    launch(
+        tmp_path,
+        "first",
+        "--kind",
+        "gpt",
+        "--max-duration",
+        "3ba",
+        "--save-folder",
+        folder,
+        "--run-name",
+        "auto",
+        "--autoresume",
+    )
+    resumed = launch(
+        tmp_path,
+        "second",
+        "--kind",
+        "gpt",
+        "--max-duration",
+        f"{TOTAL_BATCHES}ba",
+        "--save-folder",
+        folder,
+        "--run-name",
+        "auto",
+        "--autoresume",
+    )
     # The second launch only ran the batches after the checkpoint of the first.
     assert len(resumed[0]["lrs"]) == TOTAL_BATCHES - 3
     assert_same_on_both_ranks(resumed)

@@ -24,8 +24,12 @@ from lightning_dash.callbacks import DashMonitor
 from lightning_dash.composer import DashComposerMonitor
 from lightning_dash.integration import dash_metrics
 
-OPTIONS = {"block_size": 16, "precondition_frequency": 1, "inverse_root_method": "newton_db",
-           "async_preconditioning": True}
+OPTIONS = {
+    "block_size": 16,
+    "precondition_frequency": 1,
+    "inverse_root_method": "newton_db",
+    "async_preconditioning": True,
+}
 
 
 class Regression(pl.LightningModule):
@@ -49,9 +53,17 @@ class Regression(pl.LightningModule):
 def lightning_metric_names(root: Path) -> tuple[set[str], set[str]]:
     """Names DashMonitor logged, and those dash_metrics gives for the run's optimizer."""
     logger = CSVLogger(root, name="lightning")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[DashMonitor()], logger=logger,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=root)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[DashMonitor()],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     trainer.fit(Regression())
     with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
         logged = {name for row in csv.DictReader(file) for name, value in row.items() if value}
@@ -61,8 +73,9 @@ def lightning_metric_names(root: Path) -> tuple[set[str], set[str]]:
 def composer_metric_names() -> tuple[set[str], set[str]]:
     """Names DashComposerMonitor logged, and those dash_metrics gives for the run's optimizer."""
     memory = InMemoryLogger()
-    trainer = make_trainer("classifier", "2ba", algorithm_options=OPTIONS, callbacks=[DashComposerMonitor()],
-                           loggers=[memory])
+    trainer = make_trainer(
+        "classifier", "2ba", algorithm_options=OPTIONS, callbacks=[DashComposerMonitor()], loggers=[memory]
+    )
     trainer.fit()
     logged = {name for name in memory.data if name.startswith("dash/")}
     expected = set(dash_metrics(trainer.state.optimizers[0], 0.0))
@@ -75,8 +88,18 @@ def test_both_monitors_log_the_shared_metrics_under_the_same_names(tmp_path: Pat
     composer_logged, composer_expected = composer_metric_names()
     assert lightning_logged == lightning_expected
     assert composer_logged == composer_expected
-    assert lightning_logged == composer_logged == {
-        "dash/optimizer_step_ms", "dash/root_failures", "dash/nonfinite_grad_skips", "dash/nonfinite_update_skips",
-        "dash/ownership_balance", "dash/root_residual", "dash/async_roots_hidden", "dash/async_roots_waited",
-        "dash/async_wait_ms",
-    }
+    assert (
+        lightning_logged
+        == composer_logged
+        == {
+            "dash/optimizer_step_ms",
+            "dash/root_failures",
+            "dash/nonfinite_grad_skips",
+            "dash/nonfinite_update_skips",
+            "dash/ownership_balance",
+            "dash/root_residual",
+            "dash/async_roots_hidden",
+            "dash/async_roots_waited",
+            "dash/async_wait_ms",
+        }
+    )

@@ -10,7 +10,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import ensure_tuple
 
-from lightning_dash.integration import ConversionOptions
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.optim import DASH, DashConfig
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,10 @@ class Dash(Algorithm):
     Args:
         config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
             differ from the defaults override the values mapped from the original optimizer.
-        lr, betas, epsilon, relative_epsilon, weight_decay, block_size, precondition_frequency,
-        start_preconditioning_step, inverse_root_method, matrix_scaling, matmul_dtype, grafting,
-        grafting_beta2, grafting_epsilon, shampoo_blend, nesterov, bias_correction, root_iterations,
-        chebyshev_degree, max_consecutive_root_failures, async_preconditioning, max_staleness:
-            every DASH option by keyword (meanings: :class:`~lightning_dash.optim.DashConfig`);
-            one that is not None overrides ``config`` and the value mapped from the original
-            optimizer, e.g. Adam grafting for ``DecoupledAdamW``
+        **options: every :class:`~lightning_dash.optim.DashConfig` option by keyword (they
+            appear in this signature, generated from DashConfig); one that is not None
+            overrides ``config`` and the value mapped from the original optimizer, e.g. Adam
+            grafting for ``DecoupledAdamW``
             (:mod:`lightning_dash.integration.options` states the rule).
         factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
         allow_custom_step: convert a subclass of a supported optimizer that overrides
@@ -59,48 +56,23 @@ class Dash(Algorithm):
         >>> trainer = Trainer(model=model, algorithms=[Dash(block_size=1024)], ...)  # doctest: +SKIP
     """
 
+    @accepts_dash_options
     def __init__(
         self,
         config: DashConfig | None = None,
         *,
-        lr: float | None = None,
-        betas: tuple[float, float] | None = None,
-        epsilon: float | None = None,
-        relative_epsilon: bool | None = None,
-        weight_decay: float | None = None,
-        block_size: int | None = None,
-        precondition_frequency: int | None = None,
-        start_preconditioning_step: int | None = None,
-        inverse_root_method: str | None = None,
-        matrix_scaling: str | None = None,
-        matmul_dtype: str | torch.dtype | None = None,
-        grafting: str | None = None,
-        grafting_beta2: float | None = None,
-        grafting_epsilon: float | None = None,
-        shampoo_blend: float | None = None,
-        nesterov: bool | None = None,
-        bias_correction: bool | None = None,
-        root_iterations: int | None = None,
-        chebyshev_degree: int | None = None,
-        max_consecutive_root_failures: int | None = None,
-        async_preconditioning: bool | None = None,
-        max_staleness: int | None = None,
         factor_decay: float | None = None,
         allow_custom_step: bool | None = None,
         communication_dtype: torch.dtype | str = torch.float32,
+        **options: Any,
     ) -> None:
         #: How the trainer's optimizer becomes DASH: the resolved overrides and conversion options.
         self.conversion = ConversionOptions.build(
-            config, factor_decay=factor_decay, allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype, lr=lr, betas=betas, epsilon=epsilon,
-            relative_epsilon=relative_epsilon, weight_decay=weight_decay, block_size=block_size,
-            precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
-            inverse_root_method=inverse_root_method, matrix_scaling=matrix_scaling, matmul_dtype=matmul_dtype,
-            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
-            shampoo_blend=shampoo_blend, nesterov=nesterov, bias_correction=bias_correction,
-            root_iterations=root_iterations, chebyshev_degree=chebyshev_degree,
-            max_consecutive_root_failures=max_consecutive_root_failures,
-            async_preconditioning=async_preconditioning, max_staleness=max_staleness,
+            config,
+            factor_decay=factor_decay,
+            allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype,
+            **options,
         )
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
         self.optimizer: DASH | None = None
@@ -127,8 +99,11 @@ class Dash(Algorithm):
         dash.collective_state_dict = True
         state.optimizers = dash
         self.optimizer = dash
-        log.info("Dash: replaced %s by DASH%s", type(optimizers[0]).__name__,
-                 "" if dash.distributor is None else f" (blocks owned across {dash.distributor.world_size} ranks)")
+        log.info(
+            "Dash: replaced %s by DASH%s",
+            type(optimizers[0]).__name__,
+            "" if dash.distributor is None else f" (blocks owned across {dash.distributor.world_size} ranks)",
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Composer stores this beside the optimizer. torch.distributed.checkpoint keeps

@@ -139,22 +139,20 @@ def clean_process_group():
     release_process_group()
 
 
-def trainer(devices: int, steps: int, root: Path, strategy: DashStrategy | None = None, **kwargs) -> pl.Trainer:
-    """A trainer; its strategy defaults to the DASH options of the reference, spawning the ranks
-    when there are several."""
+def trainer(devices: int, steps: int, root: Path, strategy: DashStrategy | str | None = None, **kwargs) -> pl.Trainer:
+    """A quiet CPU trainer (``steps=-1``: bounded by ``max_epochs`` instead); its strategy defaults
+    to the DASH options of the reference, spawning the ranks when there are several. ``kwargs``
+    replace or add Trainer arguments."""
     if strategy is None:
         strategy = DashStrategy(start_method="spawn" if devices > 1 else "popen", **DASH_OPTIONS)
+    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
-        **kwargs,
+        **{**settings, **kwargs},
     )
 
 
@@ -219,17 +217,13 @@ class FinetuneModule(pl.LightningModule):
 
 
 def test_base_finetuning_adds_groups_mid_training(tmp_path):
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DashStrategy(start_method="spawn", block_size=16),
+    run = trainer(
+        2,
+        -1,
+        tmp_path,
+        DashStrategy(start_method="spawn", block_size=16),
         max_epochs=2,
         callbacks=[FreezeThenUnfreeze()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     run.fit(FinetuneModule())
 
@@ -243,20 +237,15 @@ class IdenticalAcrossRanks(pl.Callback):
 
 def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
     """Lightning's BoringModel (SGD + StepLR) trains unchanged under strategy="dash"."""
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="dash_spawn",
-        max_steps=6,
+    run = trainer(
+        2,
+        6,
+        tmp_path,
+        "dash_spawn",
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
         precision="bf16-mixed",
         callbacks=[IdenticalAcrossRanks()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     run.fit(BoringModel())
 
@@ -264,17 +253,7 @@ def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
 def test_single_device_run_converts_and_keeps_the_schedule(tmp_path):
     model = BoringModel()
     before = model.layer.weight.detach().clone()
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="dash",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    run = trainer(1, 3, tmp_path, "dash")
     run.fit(model)
     optimizer = run.optimizers[0]
     assert isinstance(optimizer, DASH) and optimizer.grafting == "sgd"
@@ -310,17 +289,7 @@ class TwoGroupModule(BoringModel):
 def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
     config = DashConfig(block_size=64, grafting_beta2=0.5, max_consecutive_root_failures=None)
     keywords = {name: value for name, value in NON_DEFAULT.items() if name != "grafting_beta2"}
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=DashStrategy(config=config, **keywords),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    run = trainer(1, 1, tmp_path, DashStrategy(config=config, **keywords))
     run.fit(TwoGroupModule())
     optimizer = run.optimizers[0]
     assert isinstance(optimizer, DASH)
@@ -353,17 +322,7 @@ def test_unsupported_optimizer_is_named(tmp_path):
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters())
 
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="dash",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    run = trainer(1, 1, tmp_path, "dash")
     with pytest.raises(TypeError, match="LBFGS"):
         run.fit(LBFGSModel())
 
@@ -397,17 +356,13 @@ def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
 
     checkpoint = tmp_path / "scheduled.ckpt"
     callbacks = [GraftingSchedule(start_step=2, span_steps=4), PreconditionerSchedule({0: 1, 3: 5}), DashMonitor()]
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DashStrategy(start_method="spawn", block_size=16),
-        max_steps=8,
+    run = trainer(
+        2,
+        8,
+        tmp_path,
+        DashStrategy(start_method="spawn", block_size=16),
         callbacks=callbacks,
         logger=CSVLogger(tmp_path, name="csv"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     run.fit(ScheduledModule(str(checkpoint)))
     saved = torch.load(checkpoint, weights_only=False)

@@ -7,7 +7,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import assert_identical_across_ranks
+from test_strategy import assert_identical_across_ranks, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -77,18 +77,7 @@ SHAPES = [(64, 32), (64,), (8, 64), (8,)]
 
 def run(tmp_path, steps: int, expected: float, ckpt_path=None, output="", **strategy_kwargs) -> None:
     strategy = DashStrategy(start_method="spawn", block_size=32, **strategy_kwargs)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(SyncModule(expected, output), ckpt_path=ckpt_path)
+    trainer(2, steps, tmp_path, strategy).fit(SyncModule(expected, output), ckpt_path=ckpt_path)
 
 
 @pytest.fixture(autouse=True)

@@ -18,12 +18,13 @@ from lightning_dash.distributed.block_exchange import (
     plan_exchange,
 )
 from lightning_dash.optim.blocks import Region, StackPlan
-from lightning_dash.optim.distributor import BlockUpdate
+from lightning_dash.optim.distributor import BlockUpdate, WholeParameters
 from lightning_dash.optim.validation import check_communication_dtype
 
 
-class ProcessGroupDistributor:
-    """Block ownership by greedy LPT over a FLOP cost model, and gloo/NCCL collectives.
+class ProcessGroupDistributor(WholeParameters):
+    """Block ownership by greedy LPT over a FLOP cost model, and gloo/NCCL collectives,
+    for ranks that hold whole parameters and identical gradients (DDP).
 
     Args:
         process_group: the data-parallel group (None: the default group).

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan
-from lightning_dash.optim.layout import stacks_by_placement
+from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+from lightning_dash.optim.layout import stacks_by_placement, state_dtype
 
 
 @dataclass
@@ -46,10 +47,16 @@ class SharedUpdates(Protocol):
 
 
 class BlockDistributor(Protocol):
-    """Block ownership and the collectives of ZeRO-1-style DASH."""
+    """Block ownership and the collectives of ZeRO-1-style DASH.
+
+    With ``shards_parameters`` False every rank holds whole parameters and identical
+    gradients (DDP); with True each rank holds a row shard of every parameter and of
+    its gradient (FSDP2), and the distributor moves gradient rows to block owners.
+    """
 
     rank: int
     world_size: int
+    shards_parameters: bool
 
     @property
     def balance(self) -> float:
@@ -65,8 +72,33 @@ class BlockDistributor(Protocol):
         """
         ...
 
+    def local(self, tensor: Tensor) -> Tensor:
+        """The part of a parameter, or of its gradient, that this rank holds and updates
+        elementwise (not collective)."""
+        ...
+
+    def local_part(self, param: Tensor, value: Tensor) -> Tensor:
+        """This rank's part of ``value``, a tensor shaped like ``param``: whole, or already
+        sharded like it (not collective)."""
+        ...
+
+    def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
+        """``local`` (this rank's part of a tensor shaped like ``param``) as a tensor shaped
+        like ``param``: itself when parameters are whole, else a sharded tensor (not collective)."""
+        ...
+
+    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
+        """The gradients of this rank's stacks, one ``(blocks, rows, cols)`` tensor per plan
+        in the stack's state dtype (zero where a parameter has no gradient)."""
+        ...
+
     def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
-        """Exchange this rank's block updates so that every rank can apply all of them."""
+        """Send this rank's block updates to every rank that applies them."""
+        ...
+
+    def reduce_max(self, values: Tensor) -> Tensor:
+        """Elementwise maximum over ranks of a small vector (the same vector when every
+        rank computed it from the same data)."""
         ...
 
     def reduce_failures(self, summary: Tensor) -> Tensor:
@@ -91,7 +123,42 @@ class _LocalUpdates:
             item.plan.add_to(params, item.update)
 
 
-class LocalDistributor:
+def gather_gradients(plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
+    """The gradient tiles of ``plans`` from whole parameters (zero where there is no gradient)."""
+    stacks = []
+    for plan in plans:
+        grads = {}
+        for region in plan.regions:
+            param = params[region.param_index]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grads[region.param_index] = grad.reshape(matrix_shape(param.shape))
+        stacks.append(plan.gather(grads, dtype=state_dtype(params[plan.regions[0].param_index])))
+    return stacks
+
+
+class WholeParameters:
+    """The :class:`BlockDistributor` methods of ranks that hold whole parameters and
+    identical gradients (one process, or DDP after its all-reduce)."""
+
+    shards_parameters = False
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def local_part(self, param: Tensor, value: Tensor) -> Tensor:
+        return value
+
+    def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
+        return local
+
+    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
+        return gather_gradients(plans, params)
+
+    def reduce_max(self, values: Tensor) -> Tensor:
+        return values
+
+
+class LocalDistributor(WholeParameters):
     """One process owning every block: no communication."""
 
     rank = 0

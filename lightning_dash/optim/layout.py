@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
-from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, import_stack
+from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, export_tiles, import_stack
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -67,9 +67,33 @@ class VectorGroup:
     rms: Tensor
 
 
+class Placement(Protocol):
+    """Where parameters live across ranks (the part of a ``BlockDistributor`` a layout needs)."""
+
+    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+        """The stacks of the blocks this rank owns."""
+        ...
+
+    def local(self, tensor: Tensor) -> Tensor:
+        """The part of a parameter (or gradient) this rank updates elementwise."""
+        ...
+
+    def local_part(self, param: Tensor, value: Tensor) -> Tensor:
+        """This rank's part of a tensor shaped like ``param``."""
+        ...
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 @dataclass
 class Layout:
-    """Every parameter (flat, in ``param_groups`` order) and where its state lives."""
+    """Every parameter (flat, in ``param_groups`` order) and where its state lives.
+
+    ``local`` gives the part of a parameter or gradient this rank updates elementwise
+    (the whole tensor unless parameters are sharded across ranks).
+    """
 
     params: list[Tensor]
     group_of: list[int]
@@ -77,6 +101,7 @@ class Layout:
     steps: list[int]
     stacks: list[Stack]
     vectors: list[VectorGroup]
+    local: Callable[[Tensor], Tensor] = _whole
 
 
 def build_layout(
@@ -88,9 +113,13 @@ def build_layout(
     block_size: int,
     want_momentum: bool,
     want_second_moment: bool,
+    placement: Placement | None = None,
 ) -> Layout:
     """Allocate the stacks of ``plans`` and the vector buffers, filled from ``saved``
-    (per-parameter entries by flat index; missing statistics start at zero)."""
+    (per-parameter entries by flat index; missing statistics start at zero). The
+    vector buffers hold the ``placement``'s local part of each parameter."""
+    local = placement.local if placement is not None else _whole
+    local_part = placement.local_part if placement is not None else (lambda param, value: value)
     steps = [int(saved[index]["step"].item()) for index in range(len(params))]
     stacks: list[Stack] = []
     for plan in plans:
@@ -111,41 +140,35 @@ def build_layout(
             if group_of[index] == group_index and param.dim() < 2 and param.numel() > 0:
                 members.setdefault((param.device, state_dtype(param)), []).append(index)
         for (device, dtype), indices in members.items():
-            vectors.append(_vector_group(group_index, indices, params, saved, device, dtype))
-    return Layout(params, group_of, names, steps, stacks, vectors)
+            numels = [local(params[i]).numel() for i in indices]
+            offsets = [sum(numels[:k]) for k in range(len(numels))]
+            momentum = torch.zeros(sum(numels), device=device, dtype=dtype)
+            rms = torch.zeros(sum(numels), device=device, dtype=dtype)
+            for index, offset, numel in zip(indices, offsets, numels):
+                for name, flat in ((MOMENTUM, momentum), (GRAFTING_RMS, rms)):
+                    if name in saved[index]:
+                        part = local_part(params[index], saved[index][name])
+                        flat[offset : offset + numel].copy_(local(part).reshape(-1))
+            vectors.append(VectorGroup(group_index, indices, offsets, numels, momentum, rms))
+    return Layout(params, group_of, names, steps, stacks, vectors, local)
 
 
-def _vector_group(
-    group_index: int,
-    indices: list[int],
-    params: list[Tensor],
-    saved: dict[int, dict[str, Tensor]],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> VectorGroup:
-    numels = [params[i].numel() for i in indices]
-    offsets = [sum(numels[:k]) for k in range(len(numels))]
-    momentum = torch.zeros(sum(numels), device=device, dtype=dtype)
-    rms = torch.zeros(sum(numels), device=device, dtype=dtype)
-    for index, offset, numel in zip(indices, offsets, numels):
-        for name, flat in ((MOMENTUM, momentum), (GRAFTING_RMS, rms)):
-            if name in saved[index]:
-                flat[offset : offset + numel].copy_(saved[index][name].reshape(-1))
-    return VectorGroup(group_index, indices, offsets, numels, momentum, rms)
-
-
-def export_layout(layout: Layout, block_size: int, include_vectors: bool = True) -> dict[int, dict[str, Tensor]]:
+def export_layout(
+    layout: Layout, block_size: int, include_vectors: bool = True, tiles: bool = False
+) -> dict[int, dict[str, Tensor]]:
     """Per-parameter copies of the layout's state, keyed by flat parameter index.
 
-    One-dimensional parameters are replicated on every rank; ``include_vectors``
-    leaves them out so that only one rank contributes them when ranks are merged.
+    One-dimensional parameters are replicated on every rank when parameters are whole;
+    ``include_vectors`` leaves them out so that only one rank contributes them when
+    ranks are merged (their buffers are this rank's local part, shaped like it).
+    With ``tiles`` every statistic of a block is its own entry (see :func:`.state.export_tiles`).
     """
     out: dict[int, dict[str, Tensor]] = {}
     for stack in layout.stacks:
-        export_stack(stack.plan, stack.state, layout.params, block_size, out)
+        (export_tiles if tiles else export_stack)(stack.plan, stack.state, layout.params, block_size, out)
     for vector in layout.vectors if include_vectors else []:
         for index, offset, numel in zip(vector.param_indices, vector.offsets, vector.numels):
-            shape = layout.params[index].shape
+            shape = layout.local(layout.params[index]).shape
             out[index] = {
                 MOMENTUM: vector.momentum[offset : offset + numel].clone().view(shape),
                 GRAFTING_RMS: vector.rms[offset : offset + numel].clone().view(shape),
@@ -156,6 +179,15 @@ def export_layout(layout: Layout, block_size: int, include_vectors: bool = True)
 def owned_blocks(layout: Layout | None) -> int:
     """Blocks whose statistics this process holds."""
     return 0 if layout is None else sum(stack.plan.num_blocks for stack in layout.stacks)
+
+
+def layout_bytes(layout: Layout | None) -> int:
+    """Bytes of the statistics, roots and buffers held in the layout's stacks and vectors."""
+    if layout is None:
+        return 0
+    tensors = [t for stack in layout.stacks for t in stack.state.tensors()]
+    tensors += [t for vector in layout.vectors for t in (vector.momentum, vector.rms)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
@@ -173,19 +205,15 @@ def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-#: ``plan_stacks(regions, params, frequencies)``: the stacks this process owns (see ``BlockDistributor``).
-PlanStacks = Callable[[list[Region], list[Tensor], list[int]], list[StackPlan]]
-
-
 def stack_state(
     param_groups: list[dict[str, Any]],
     state: dict[Tensor, dict[str, Any]],
-    plan_stacks: PlanStacks,
+    placement: Placement,
     block_size: int,
     want_second_moment: bool,
 ) -> Layout:
     """Move the per-parameter statistics of ``state`` (an optimizer's) into a new layout
-    of the stacks ``plan_stacks`` gives this process; only step counts stay in ``state``."""
+    of the stacks ``placement`` gives this process; only step counts stay in ``state``."""
     params = [p for group in param_groups for p in group["params"]]
     group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
     saved = {}
@@ -200,10 +228,11 @@ def stack_state(
         group_of,
         param_names(param_groups),
         saved,
-        plan_stacks(regions, params, frequencies),
+        placement.plan_stacks(regions, params, frequencies),
         block_size,
         want_momentum=any(group["betas"][0] > 0 for group in param_groups),
         want_second_moment=want_second_moment,
+        placement=placement,
     )
     for param in params:
         step = state[param]["step"]

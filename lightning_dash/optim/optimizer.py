@@ -14,7 +14,7 @@ from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_group, 
 from lightning_dash.optim.conversion import converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate, LocalDistributor
 from lightning_dash.optim.grafting import uses_second_moment
-from lightning_dash.optim.layout import Layout, export_layout, owned_blocks, stack_state
+from lightning_dash.optim.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
 from lightning_dash.optim.root_failures import count_root_failures, raise_on_streak
 from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
 from lightning_dash.optim.roots import RootSettings
@@ -135,6 +135,12 @@ class DASH(DashStateDict):
         """Blocks whose statistics this process holds (0 before the first step)."""
         return owned_blocks(self._layout)
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this process holds: the statistics, roots and buffers
+        of its blocks and its part of the one-dimensional parameters' buffers (0 before
+        the first step). With parameters sharded across N ranks each holds about 1/N."""
+        return layout_bytes(self._layout)
+
     @property
     def preconditioned_blocks(self) -> int:
         """Blocks of this process whose Shampoo roots are in use (roots still being
@@ -197,7 +203,7 @@ class DASH(DashStateDict):
             self._layout = stack_state(
                 self.param_groups,
                 self.state,
-                self._distributor.plan_stacks,
+                self._distributor,
                 self.block_size,
                 want_second_moment=uses_second_moment(self.grafting),
             )
@@ -244,7 +250,7 @@ class DASH(DashStateDict):
                 loss = closure()
         layout = self._current_layout()
         self.roots.last_residual = None
-        active, all_finite, all_zero = active_params(layout)
+        active, all_finite, all_zero = active_params(layout, self._distributor.reduce_max)
         if not active or (all_zero and all(group["lr"] == 0 for group in self.param_groups)):
             # Nothing can move: torch.distributed.checkpoint materialises an empty
             # optimizer's state this way, and it must not advance any counter.
@@ -279,7 +285,12 @@ class DASH(DashStateDict):
             if (work := vector_work(layout, vector, groups[vector.group_index], active, rules))
         ]
         positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
-        works = [work for stack in layout.stacks if (work := begin_stack(layout, stack, groups, active, rules))]
+        grads = self._distributor.block_gradients([stack.plan for stack in layout.stacks], layout.params)
+        works = [
+            work
+            for stack, grad in zip(layout.stacks, grads)
+            if (work := begin_stack(layout, stack, grad, groups, active, rules))
+        ]
         report = self.roots.refresh(layout, works, due) or report
         if report is not None:
             self._count_failures(layout, report)
@@ -289,7 +300,9 @@ class DASH(DashStateDict):
         ]
         shared = self._distributor.share_updates(updates)
         checked = shared.tensors() + [work.update for work in vectors]
-        if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
+        device = layout.params[0].device
+        bad = torch.stack([~torch.isfinite(t).all() for t in checked]).any() if checked else torch.tensor(False)
+        if self._distributor.reduce_max(bad.to(device, torch.float32).view(1)).item() > 0:
             self.nonfinite_update_skips += 1
             return False
         # Commit: nothing below can fail on bad numbers.

@@ -8,13 +8,14 @@ tensors, without touching the committed state. :meth:`StackWork.commit` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import StackPlan, matrix_shape
+from lightning_dash.optim.blocks import StackPlan
 from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
 from lightning_dash.optim.layout import Layout, Stack, VectorGroup
@@ -78,18 +79,26 @@ def next_momentum(
     return following, (grad.lerp(following, beta1) if rules.nesterov else following)
 
 
-def active_params(layout: Layout) -> tuple[set[int], bool, bool]:
+def active_params(layout: Layout, reduce_max: Callable[[Tensor], Tensor]) -> tuple[set[int], bool, bool]:
     """Indices of parameters with a gradient (empty ones excepted), whether every
-    gradient is finite, and whether every one is exactly zero; one host read-back."""
+    gradient is finite, and whether every one is exactly zero; one host read-back.
+
+    Each rank measures the part of each gradient it holds; ``reduce_max`` combines the
+    ranks' peaks (NaN counted as infinite), so every rank reaches the same verdict.
+    """
     candidates = [i for i, p in enumerate(layout.params) if p.grad is not None and p.numel() > 0]
     for index in candidates:
         if layout.params[index].grad.is_sparse:
             raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
     if not candidates:
         return set(), True, True
-    grads = [layout.params[i].grad for i in candidates]
-    device = grads[0].device
-    peaks = torch.stack([peak.float().to(device) for peak in torch._foreach_norm(grads, float("inf"))]).tolist()
+    grads = [layout.local(layout.params[i].grad) for i in candidates]
+    held = [grad for grad in grads if grad.numel() > 0]
+    device = layout.params[candidates[0]].grad.device
+    norms = iter(torch._foreach_norm(held, float("inf")) if held else [])
+    zero = torch.zeros((), device=device)
+    peaks = torch.stack([next(norms).float().to(device) if grad.numel() > 0 else zero for grad in grads])
+    peaks = reduce_max(torch.nan_to_num(peaks, nan=math.inf, posinf=math.inf)).tolist()
     return set(candidates), all(math.isfinite(peak) for peak in peaks), not any(peaks)
 
 
@@ -98,7 +107,8 @@ def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int]
     for group_index, group in enumerate(groups):
         factor = 1.0 - group["lr"] * group["weight_decay"]
         if factor != 1.0:
-            decayed = [p for i, p in enumerate(layout.params) if i in active and layout.group_of[i] == group_index]
+            moving = [i for i in sorted(active) if layout.group_of[i] == group_index]
+            decayed = [layout.local(layout.params[i]) for i in moving]
             if decayed:
                 torch._foreach_mul_(decayed, factor)
 
@@ -138,10 +148,11 @@ def vector_work(
     members = [k for k, index in enumerate(vector.param_indices) if index in active]
     if not members:
         return None
-    params = [layout.params[vector.param_indices[k]] for k in members]
+    whole = [layout.params[vector.param_indices[k]] for k in members]
+    params = [layout.local(p) for p in whole]
     numels = [vector.numels[k] for k in members]
     device, dtype = vector.momentum.device, vector.momentum.dtype
-    grad = torch.cat([p.grad.reshape(-1).to(dtype) for p in params])
+    grad = torch.cat([layout.local(p.grad).reshape(-1).to(dtype) for p in whole])
     if len(members) == len(vector.param_indices):
         index, momentum, rms = None, vector.momentum, vector.rms
     else:
@@ -191,9 +202,10 @@ class StackWork:
 
 
 def begin_stack(
-    layout: Layout, stack: Stack, groups: list[dict[str, Any]], active: set[int], rules: UpdateRules
+    layout: Layout, stack: Stack, grads: Tensor, groups: list[dict[str, Any]], active: set[int], rules: UpdateRules
 ) -> StackWork | None:
-    """Candidate factors, second moment and momentum of the moving blocks of one stack."""
+    """Candidate factors, second moment and momentum of the moving blocks of one stack
+    (``grads``: the gradient of every block of the stack)."""
     regions = [r for r in stack.plan.regions if r.param_index in active]
     if not regions:
         return None
@@ -203,12 +215,8 @@ def begin_stack(
         plan, positions = stack.plan.subset({r.param_index for r in regions})
         index = torch.tensor(positions, device=stack.state.left_factor.device)
         state = stack.state.select(index)
-    device, dtype = state.left_factor.device, state.left_factor.dtype
-    grads = {
-        r.param_index: layout.params[r.param_index].grad.reshape(matrix_shape(layout.params[r.param_index].shape))
-        for r in plan.regions
-    }
-    grad = plan.gather(grads, dtype=dtype)
+    device = state.left_factor.device
+    grad = grads if index is None else grads.index_select(0, index)
     counts = [r.num_blocks for r in plan.regions]
     region_groups = [groups[layout.group_of[r.param_index]] for r in plan.regions]
     steps = [layout.steps[r.param_index] for r in plan.regions]

@@ -77,6 +77,10 @@ class StackState:
             setattr(self, name, tensor)
         return tensor
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the record holds (for memory accounting)."""
+        return [value for f in fields(self) if (value := getattr(self, f.name)) is not None]
+
     def copy(self) -> StackState:
         """A new record holding the same tensors (fields can then be replaced freely)."""
         return StackState(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -146,6 +150,34 @@ def export_stack(
                 failures[i, j] = root_failures[block]
 
 
+def tile_key(name: str, tile: tuple[int, int]) -> str:
+    """The state-dict key of one tile's statistic: ``name_i_j``."""
+    return f"{name}_{tile[0]}_{tile[1]}"
+
+
+def export_tiles(
+    plan: StackPlan,
+    state: StackState,
+    params: list[Tensor],
+    block_size: int,
+    out: dict[int, dict[str, Tensor]],
+) -> None:
+    """Add copies of a stack's state to ``out[param_index]``, every statistic of every
+    tile under its own key (``momentum_i_j``, ``root_valid_i_j``, ... as well as the
+    factors): the form in which each rank writes only the blocks it owns."""
+    per_block = {FACTOR_SCALE: state.factor_scale, ROOT_VALID: state.root_valid, ROOT_FAILURES: state.root_failures}
+    per_block.update({key: getattr(state, key) for key in (*FACTOR_KEYS, MOMENTUM, GRAFTING_RMS)})
+    held = {key: value.cpu() for key, value in per_block.items() if value is not None}
+    for region in plan.regions:
+        entry = out.setdefault(region.param_index, {})
+        for row in range(region.tile_rows):
+            for col in range(region.tile_cols):
+                block = region.stack_offset + row * region.tile_cols + col
+                tile = _tile_index(region, block_size, row, col)
+                for key, value in held.items():
+                    entry[tile_key(key, tile)] = value[block].clone()
+
+
 def import_stack(
     plan: StackPlan,
     state: StackState,
@@ -154,7 +186,12 @@ def import_stack(
     saved: dict[int, dict[str, Tensor]],
     names: list[str],
 ) -> None:
-    """Fill a freshly allocated stack from per-parameter entries (missing ones stay zero)."""
+    """Fill a freshly allocated stack from per-parameter entries (missing ones stay zero).
+
+    An entry holds parameter-shaped ``momentum``/``grafting_rms`` and tile-grid
+    ``root_valid``/``root_failures`` (:func:`export_stack`), or every statistic per tile
+    (:func:`export_tiles`); only this stack's tiles are read.
+    """
     root_valid, root_failures = state.root_valid.cpu(), state.root_failures.cpu()
     for region in plan.regions:
         entry = saved.get(region.param_index)
@@ -165,7 +202,7 @@ def import_stack(
         param = params[region.param_index]
         shape = matrix_shape(param.shape)
         for name in (MOMENTUM, GRAFTING_RMS):
-            if name in entry:
+            if name in entry:  # parameter-shaped
                 full = entry[name]
                 if full.numel() != param.numel():
                     raise ValueError(
@@ -176,19 +213,22 @@ def import_stack(
         for row in range(region.tile_rows):
             for col in range(region.tile_cols):
                 block = region.stack_offset + row * region.tile_cols + col
-                i, j = _tile_index(region, block_size, row, col)
+                tile = _tile_index(region, block_size, row, col)
                 for key in FACTOR_KEYS:
-                    saved_block = entry.get(f"{key}_{i}_{j}")
+                    saved_block = entry.get(tile_key(key, tile))
                     target = getattr(state, key)[block]
                     if saved_block is None or saved_block.shape != target.shape:
                         raise ValueError(
                             f"saved state of {names[region.param_index]} does not match block_size="
-                            f"{block_size}: missing or mis-shaped {key}_{i}_{j}"
+                            f"{block_size}: missing or mis-shaped {tile_key(key, tile)}"
                         )
                     target.copy_(saved_block)
-                saved_scale = entry.get(f"{FACTOR_SCALE}_{i}_{j}")
+                for name in (MOMENTUM, GRAFTING_RMS):
+                    if tile_key(name, tile) in entry:
+                        state.ensure(name)[block].copy_(entry[tile_key(name, tile)])
+                saved_scale = entry.get(tile_key(FACTOR_SCALE, tile))
                 state.factor_scale[block] = 1.0 if saved_scale is None else saved_scale
-                root_valid[block] = entry[ROOT_VALID][i, j]
-                root_failures[block] = entry[ROOT_FAILURES][i, j]
+                for name, target in ((ROOT_VALID, root_valid), (ROOT_FAILURES, root_failures)):
+                    target[block] = entry[tile_key(name, tile)] if name not in entry else entry[name][tile]
     state.root_valid.copy_(root_valid)
     state.root_failures.copy_(root_failures)

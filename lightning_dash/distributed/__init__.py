@@ -12,12 +12,14 @@ from lightning_dash.distributed.assignment import (
 from lightning_dash.distributed.demo_optimizer import DeMo
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, shard_across_ranks
+from lightning_dash.distributed.sharded import ShardedDistributor
 
 __all__ = [
     "DeMo",
     "DemoSynchronizer",
     "OwnershipPlan",
     "ProcessGroupDistributor",
+    "ShardedDistributor",
     "block_cost",
     "block_shapes",
     "greedy_parameters",

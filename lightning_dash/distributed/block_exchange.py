@@ -30,8 +30,8 @@ class ExchangePlan:
     size: int
 
 
-def plan_exchange(regions: list[Region], params: list[Tensor], owners: list[int], world_size: int) -> ExchangePlan:
-    """Lay out every rank's stacks given the owner of each tile (tiles in region order).
+def split_by_owner(regions: list[Region], owners: list[int], world_size: int) -> list[list[Region]]:
+    """Every rank's regions given the owner of each tile (tiles in region order).
 
     A region whose tiles all belong to one rank stays whole; otherwise it is split
     into one-tile regions.
@@ -46,6 +46,12 @@ def plan_exchange(regions: list[Region], params: list[Tensor], owners: list[int]
             for tile, owner in zip(region.single_tiles(), region_owners):
                 owned[owner].append(tile)
         position += region.num_blocks
+    return owned
+
+
+def plan_exchange(regions: list[Region], params: list[Tensor], owners: list[int], world_size: int) -> ExchangePlan:
+    """Lay out every rank's stacks (see :func:`split_by_owner`) and their all-gather buffers."""
+    owned = split_by_owner(regions, owners, world_size)
     plans = [stacks_by_placement(rank_regions, params) for rank_regions in owned]
     offsets = []
     for rank_plans in plans:

@@ -1,0 +1,124 @@
+"""Which gradient rows travel to which block owner when parameters are sharded by rows.
+
+FSDP2 cuts dim 0 of every parameter the way ``torch.chunk`` does: ``ceil(rows / N)``
+rows per rank, the last ranks holding fewer (or none). A DASH block is a tile of the
+whole parameter's matrix view, so its rows may sit on several ranks. A *piece* is the
+part of one block that one rank holds. Every rank derives the same list of pieces
+from the parameter shapes and the ownership plan (the blocks are a single process's,
+whatever the world size), so gradient pieces go to owners and update pieces come back
+in one ``all_to_all`` each, in an order both sides agree on without any metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_dash.optim.blocks import StackPlan
+
+
+def row_ranges(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the rows each rank holds of a dimension of ``rows`` (chunk semantics)."""
+    chunk = -(-rows // world_size) if rows else 0
+    return [(min(rank * chunk, rows), min((rank + 1) * chunk, rows)) for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The rows ``rows`` x columns ``cols`` of one block that rank ``holder`` holds.
+
+    ``owner`` updates the block, which is block ``block`` of its stack ``stack``;
+    ``block_row`` is the first of these rows counted inside the block.
+    """
+
+    owner: int
+    holder: int
+    stack: int
+    block: int
+    param_index: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    block_row: int
+
+    @property
+    def height(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def width(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+    @property
+    def numel(self) -> int:
+        return self.height * self.width
+
+
+def plan_pieces(rank_plans: list[list[StackPlan]], shapes: dict[int, tuple[int, int]], world_size: int) -> list[Piece]:
+    """Every piece of every rank's blocks, in the canonical order: owner, its stack,
+    block, then holder. ``shapes`` are the matrix views of the parameters by index."""
+    pieces = []
+    for owner, plans in enumerate(rank_plans):
+        for stack, plan in enumerate(plans):
+            block_rows, block_cols = plan.block_shape
+            for region in plan.regions:
+                ranges = row_ranges(shapes[region.param_index][0], world_size)
+                for offset, tile in enumerate(region.single_tiles()):
+                    top, left = tile.row_start, tile.col_start
+                    for holder, (start, end) in enumerate(ranges):
+                        low, high = max(top, start), min(top + block_rows, end)
+                        if low < high:
+                            pieces.append(
+                                Piece(
+                                    owner,
+                                    holder,
+                                    stack,
+                                    region.stack_offset + offset,
+                                    region.param_index,
+                                    (low, high),
+                                    (left, left + block_cols),
+                                    low - top,
+                                )
+                            )
+    return pieces
+
+
+@dataclass
+class RowExchange:
+    """One rank's side of the exchange.
+
+    ``outgoing[r]``: the pieces this rank holds of rank ``r``'s blocks (gradients go
+    out in this order, updates come back in it); ``incoming[r]``: the pieces of this
+    rank's blocks that rank ``r`` holds; ``first_rows``: this rank's first row of each
+    parameter.
+    """
+
+    rank: int
+    outgoing: list[list[Piece]]
+    incoming: list[list[Piece]]
+    first_rows: dict[int, int]
+
+    @property
+    def outgoing_sizes(self) -> list[int]:
+        return [sum(piece.numel for piece in pieces) for pieces in self.outgoing]
+
+    @property
+    def incoming_sizes(self) -> list[int]:
+        return [sum(piece.numel for piece in pieces) for pieces in self.incoming]
+
+    def elements_sent(self) -> int:
+        """Elements this rank sends to other ranks in one step: its gradient pieces of
+        their blocks, then the update pieces of its blocks that they hold."""
+        out, back = self.outgoing_sizes, self.incoming_sizes
+        return sum(out) - out[self.rank] + sum(back) - back[self.rank]
+
+
+def exchange_for(pieces: list[Piece], rank: int, world_size: int, shapes: dict[int, tuple[int, int]]) -> RowExchange:
+    """The side of ``rank`` of the exchange of ``pieces`` (see :func:`plan_pieces`)."""
+    outgoing: list[list[Piece]] = [[] for _ in range(world_size)]
+    incoming: list[list[Piece]] = [[] for _ in range(world_size)]
+    for piece in pieces:
+        if piece.holder == rank:
+            outgoing[piece.owner].append(piece)
+        if piece.owner == rank:
+            incoming[piece.holder].append(piece)
+    first_rows = {index: row_ranges(rows, world_size)[rank][0] for index, (rows, _) in shapes.items()}
+    return RowExchange(rank, outgoing, incoming, first_rows)

@@ -1,0 +1,222 @@
+"""A :class:`~lightning_dash.optim.distributor.BlockDistributor` for parameters FSDP2 shards by rows.
+
+Each rank holds a row shard of every parameter and, after FSDP2's reduce-scatter, the
+same rows of its gradient. Blocks are cut from the whole parameters (as in one
+process) and owned by ranks as under DDP (greedy LPT over the FLOP cost model). Each
+step, one ``all_to_all`` carries the gradient rows of every block to its owner, the
+owner updates its statistics and computes the block's update, and a second
+``all_to_all`` carries the update rows back to the ranks that hold them
+(:mod:`.row_exchange`). No rank materialises a whole parameter. One-dimensional
+parameters are updated elementwise on each rank's own shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_dash.distributed.block_exchange import split_by_owner
+from lightning_dash.distributed.process_group import ProcessGroupDistributor
+from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, plan_pieces, row_ranges
+from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+from lightning_dash.optim.distributor import BlockUpdate
+from lightning_dash.optim.layout import stacks_by_placement, state_dtype
+from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def check_row_sharded(params: list[Tensor], names: list[str] | None, world_size: int) -> None:
+    """Refuse parameters that are not sharded by rows over ``world_size`` ranks (FSDP2's
+    ``fully_shard`` on a one-dimensional mesh), naming the first one."""
+    for index, param in enumerate(params):
+        name = names[index] if names else f"parameter {index} {tuple(param.shape)}"
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"{name} is not sharded (a plain tensor): with strategy 'dash_fsdp' every parameter must "
+                "belong to a module passed to fully_shard (shard the root module last)"
+            )
+        mesh = param.device_mesh
+        if mesh.ndim != 1 or mesh.size() != world_size or tuple(param.placements) != (Shard(0),):
+            raise ValueError(
+                f"{name} is placed as {param.placements} on a mesh of shape {tuple(mesh.shape)}: DASH supports "
+                f"FSDP2 row sharding (Shard(0)) over a one-dimensional mesh of {world_size} ranks"
+            )
+
+
+class _RowUpdates:
+    """The update rows this rank holds, received from the blocks' owners."""
+
+    def __init__(self, exchange: RowExchange, received: Tensor) -> None:
+        self.exchange = exchange
+        self.received = received
+
+    def tensors(self) -> list[Tensor]:
+        return [self.received]
+
+    def apply(self, params: list[Tensor]) -> None:
+        offset = 0
+        for pieces in self.exchange.outgoing:
+            for piece in pieces:
+                local = _local(params[piece.param_index])
+                first = self.exchange.first_rows[piece.param_index]
+                matrix = local.view(local.shape[0], -1)
+                rows = slice(piece.rows[0] - first, piece.rows[1] - first)
+                update = self.received[offset : offset + piece.numel].view(piece.height, piece.width)
+                matrix[rows, piece.cols[0] : piece.cols[1]].add_(update.to(local.dtype))
+                offset += piece.numel
+
+
+class ShardedDistributor(ProcessGroupDistributor):
+    """Block ownership and the two row exchanges of DASH on FSDP2-sharded parameters.
+
+    Args:
+        process_group: the group the parameters are sharded over (None: the default group).
+        communication_dtype: dtype of the update rows sent back (float32 keeps the result
+            equal to a single process's; bfloat16/float16 halve that traffic). Gradient
+            rows travel in the statistics' dtype.
+        root_iterations: iterations per root, for the cost model.
+    """
+
+    shards_parameters = True
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        communication_dtype: torch.dtype = torch.float32,
+        root_iterations: int = 10,
+    ) -> None:
+        super().__init__(process_group, communication_dtype, root_iterations)
+        self._rows: RowExchange | None = None
+        self._plans: list[StackPlan] = []
+        #: Bytes this rank sent to other ranks in the optimizer's exchanges (both directions).
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------------ placement
+    def local(self, tensor: Tensor) -> Tensor:
+        return _local(tensor)
+
+    def local_part(self, param: Tensor, value: Tensor) -> Tensor:
+        if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.shape != param.shape:
+            return _local(value)
+        start, end = row_ranges(param.shape[0], self.world_size)[self.rank]
+        return value[start:end]
+
+    def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
+        if not isinstance(param, DTensor):
+            return local
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+        check_row_sharded(params, None, self.world_size)
+        tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
+        owners = self.assign_owners(
+            keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
+            shapes=[t.block_shape for t, _ in tiles],
+            frequencies=[frequency for _, frequency in tiles],
+        )
+        rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, self.world_size)]
+        shapes = {index: matrix_shape(param.shape) for index, param in enumerate(params) if param.dim() >= 2}
+        self._rows = exchange_for(plan_pieces(rank_plans, shapes, self.world_size), self.rank, self.world_size, shapes)
+        self._plans = rank_plans[self.rank]
+        return self._plans
+
+    @property
+    def elements_per_step(self) -> int:
+        """Elements this rank sends to others in one step (0 before the first step)."""
+        return 0 if self._rows is None else self._rows.elements_sent()
+
+    # ------------------------------------------------------------------ exchanges
+    def _all_to_all(self, send: Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Tensor:
+        received = send.new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.process_group)
+        self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * send.element_size()
+        return received
+
+    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
+        """Send the gradient rows this rank holds to the blocks' owners; receive its blocks'."""
+        rows = self._rows
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        device = self._device()
+        send = torch.zeros(sum(rows.outgoing_sizes), dtype=dtype, device=device)
+        offset = 0
+        for pieces in rows.outgoing:
+            for piece in pieces:
+                grad = params[piece.param_index].grad
+                if grad is not None:
+                    local = _local(grad)
+                    first = rows.first_rows[piece.param_index]
+                    part = local.reshape(local.shape[0], -1)[piece.rows[0] - first : piece.rows[1] - first]
+                    send[offset : offset + piece.numel].view(piece.height, piece.width).copy_(
+                        part[:, piece.cols[0] : piece.cols[1]]
+                    )
+                offset += piece.numel
+        received = self._all_to_all(send, rows.outgoing_sizes, rows.incoming_sizes)
+        stacks = [
+            torch.empty(
+                plan.num_blocks,
+                *plan.block_shape,
+                dtype=state_dtype(params[plan.regions[0].param_index]),
+                device=device,
+            )
+            for plan in plans
+        ]
+        offset = 0
+        for pieces in rows.incoming:
+            for piece in pieces:
+                target = stacks[piece.stack][piece.block, piece.block_row : piece.block_row + piece.height]
+                target.copy_(received[offset : offset + piece.numel].view(piece.height, piece.width))
+                offset += piece.numel
+        return stacks
+
+    def share_updates(self, updates: list[BlockUpdate]) -> _RowUpdates:
+        """Send each block's update rows to the ranks that hold them; receive this rank's."""
+        rows = self._rows
+        device = self._device()
+        full: dict[int, Tensor] = {}
+        for item in updates:
+            if item.index is None:
+                full[item.stack] = item.update
+            else:
+                shape = (self._plans[item.stack].num_blocks, *item.plan.block_shape)
+                stack = torch.zeros(shape, dtype=item.update.dtype, device=device)
+                full[item.stack] = stack.index_copy_(0, item.index, item.update)
+        send = torch.zeros(sum(rows.incoming_sizes), dtype=self.communication_dtype, device=device)
+        offset = 0
+        for pieces in rows.incoming:
+            for piece in pieces:
+                if piece.stack in full:
+                    block = full[piece.stack][piece.block, piece.block_row : piece.block_row + piece.height]
+                    send[offset : offset + piece.numel].view(piece.height, piece.width).copy_(block)
+                offset += piece.numel
+        return _RowUpdates(rows, self._all_to_all(send, rows.incoming_sizes, rows.outgoing_sizes))
+
+    def reduce_max(self, values: Tensor) -> Tensor:
+        reduced = values.to(self._device(), copy=True)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
+        return reduced.to(values.device)
+
+    def gather_states(self, state: dict[Any, dict[str, Tensor]]) -> dict[Any, dict[str, Tensor]] | None:
+        """Every rank's entries on rank 0: tiles are each one rank's; the row shards of
+        one-dimensional parameters' buffers are concatenated in rank order."""
+        gathered = self.gather_to_first(state)
+        if gathered is None:
+            return None
+        merged: dict[Any, dict[str, Tensor]] = {}
+        for rank_state in gathered:
+            for key, entry in rank_state.items():
+                target = merged.setdefault(key, {})
+                for name, value in entry.items():
+                    if name in (MOMENTUM, GRAFTING_RMS) and name in target:
+                        target[name] = torch.cat([target[name], value])
+                    else:
+                        target.setdefault(name, value)
+        return merged

@@ -21,6 +21,7 @@ from lightning_dash.optim.state import (
     FACTOR_KEYS,
     GRAFTING_RMS,
     LEGACY_SECOND_MOMENT,
+    MOMENTUM,
     ROOT_FAILURES,
     ROOT_VALID,
     grid_shape,
@@ -28,6 +29,8 @@ from lightning_dash.optim.state import (
 
 #: The optimizer-wide counters a state dict carries under ``"dash"`` (with ``grafting``).
 COUNTERS = ("root_failure_count", "nonfinite_grad_skips", "nonfinite_update_skips")
+#: Options the saved statistics depend on, also carried under ``"dash"`` and checked at load.
+LAYOUT_OPTIONS = ("block_size", "inverse_root_method")
 
 
 def with_state(packed: dict[str, Any], entries: dict[int, dict[str, Tensor]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +99,39 @@ def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], blo
         _check_tiles(entry, param, name, block_size)
 
 
+def check_same_layout(state_dict: dict, current: dict[str, Any]) -> None:
+    """Reject a state dict written with another block size or root solver (when it says)."""
+    saved = state_dict.get("dash", {})
+    for name, value in current.items():
+        if name in saved and saved[name] != value:
+            raise ValueError(
+                f"load_state_dict: the checkpoint was written with {name}={saved[name]!r} and this "
+                f"optimizer has {name}={value!r}; its statistics and roots do not carry over: create "
+                f"the optimizer with {name}={saved[name]!r}"
+            )
+
+
+def check_same_names(state_dict: dict, param_groups: list[dict[str, Any]]) -> None:
+    """Reject a state dict whose parameters are named and named differently from ``param_groups``'."""
+    saved = [key for group in state_dict.get("param_groups", []) for key in group["params"]]
+    if not saved or not all(isinstance(key, str) for key in saved):
+        return
+    current = param_names(param_groups)
+    if not all("param_names" in group for group in param_groups) and not saved[0].startswith("param_groups["):
+        return  # names on one side only: positions decide, as in torch
+    for position, (was, now) in enumerate(zip(saved, current)):
+        if was != now:
+            raise ValueError(
+                f"load_state_dict: parameter {position} is {was!r} in the checkpoint and {now!r} here: "
+                "the checkpoint is of another model (or the parameters are in another order)"
+            )
+    if len(saved) != len(current):
+        raise ValueError(
+            f"load_state_dict: the checkpoint has {len(saved)} parameters and this optimizer {len(current)}: "
+            "the checkpoint is of another model"
+        )
+
+
 def _check_tiles(entry: dict, param: Tensor, name: str, block_size: int) -> None:
     if param.dim() < 2 or param.numel() == 0:
         return
@@ -158,14 +194,50 @@ class DashStateDict(torch.optim.Optimizer):
     def _settle_roots(self, collective: bool) -> None:
         raise NotImplementedError
 
-    def _local_state(self) -> dict[int, dict[str, Tensor]]:
-        """This process's statistics keyed by state-dict position (copies); the replicated
-        one-dimensional parameters come from rank 0 only."""
+    def _local_state(self, tiles: bool = False) -> dict[int, dict[str, Tensor]]:
+        """This process's statistics keyed by state-dict position (copies). Replicated
+        one-dimensional parameters come from rank 0 only; sharded ones from every rank
+        (its part). ``tiles``: every block statistic under its own key."""
         if self._layout is None:
             return {}
         positions = {id(p): i for i, p in enumerate(self._flat_params())}
-        exported = export_layout(self._layout, self.block_size, include_vectors=self._distributor.rank == 0)
+        distributor = self._distributor
+        vectors = distributor.rank == 0 or distributor.shards_parameters
+        exported = export_layout(self._layout, self.block_size, include_vectors=vectors, tiles=tiles)
         return {positions[id(self._layout.params[index])]: entry for index, entry in exported.items()}
+
+    def _extra(self) -> dict[str, Any]:
+        """What a state dict carries under ``"dash"``: counters and what the blocks depend on."""
+        extra = {name: getattr(self, name) for name in COUNTERS}
+        return {**extra, "grafting": self.grafting, **{name: getattr(self, name) for name in LAYOUT_OPTIONS}}
+
+    def _named(self, packed: dict[str, Any]) -> dict[str, Any]:
+        """``packed`` with parameters named instead of numbered (state keys and groups)."""
+        names = param_names(self.param_groups)
+        packed["state"] = {names[position]: entry for position, entry in packed["state"].items()}
+        for group in packed["param_groups"]:
+            group["params"] = [names[position] for position in group["params"]]
+        return packed
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state, in the form that does not depend on the world size.
+
+        ``state`` is keyed by parameter name (the groups' ``param_names``, else the
+        position). Every statistic of a block sits under its own key (``left_factor_i_j``,
+        ``momentum_i_j``, ``root_valid_i_j``, ...) in the dict of the block's owner only;
+        the buffers of one-dimensional parameters are shaped like them (sharded like
+        them when parameters are sharded DTensors); every rank holds every ``step``.
+        Not collective: each rank writes its share (``torch.distributed.checkpoint``),
+        and :meth:`load_state_dict` takes any union of shares at any world size.
+        """
+        self._settle_roots(collective=False)
+        flat = self._flat_params()
+        entries = self._local_state(tiles=True)
+        for position, entry in entries.items():
+            for name in (MOMENTUM, GRAFTING_RMS):
+                if name in entry:
+                    entry[name] = self._distributor.shard_like(flat[position], entry[name])
+        return self._named(with_state(super().state_dict(), entries, self._extra()))
 
     def consolidate_state_dict(self) -> None:
         """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
@@ -179,8 +251,10 @@ class DashStateDict(torch.optim.Optimizer):
             # Statistics sit in ``self.state`` (a retired layout, or a loaded checkpoint that
             # every rank holds whole): stack them first, so each rank reports only its blocks.
             self._current_layout()
+        tiles = self._distributor.shards_parameters
         local = {
-            key: {name: value.cpu() for name, value in entry.items()} for key, entry in self._local_state().items()
+            key: {name: value.cpu() for name, value in entry.items()}
+            for key, entry in self._local_state(tiles=tiles).items()
         }
         self._consolidated = self._distributor.gather_states(local)
 
@@ -191,14 +265,20 @@ class DashStateDict(torch.optim.Optimizer):
         blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
         (on every rank); the complete state is then returned on rank 0. With
         ``collective_state_dict`` set, this call consolidates by itself (every rank
-        must call it) and the other ranks get only the step counts.
+        must call it) and the other ranks get only the step counts. With parameters
+        sharded across ranks (FSDP2) the state is in the world-size-free form of
+        :meth:`sharded_state_dict`: this rank's share, or after consolidation the
+        whole state on rank 0.
         """
         self._settle_roots(collective=False)
-        sharded = self._distributor.world_size > 1
+        distributor = self._distributor
+        sharded = distributor.world_size > 1
         if sharded and self.collective_state_dict:
             self.consolidate_state_dict()
-            if self._distributor.rank != 0:
+            if distributor.rank != 0:
                 return super().state_dict()
+        if distributor.shards_parameters and self._consolidated is None:
+            return self.sharded_state_dict()
         if sharded and self._consolidated is None:
             raise RuntimeError(
                 "DASH state is sharded across ranks: call consolidate_state_dict() on every rank "
@@ -206,8 +286,8 @@ class DashStateDict(torch.optim.Optimizer):
             )
         entries = self._consolidated if sharded else self._local_state()
         self._consolidated = None
-        extra = {name: getattr(self, name) for name in COUNTERS}
-        return with_state(super().state_dict(), entries, {**extra, "grafting": self.grafting})
+        packed = with_state(super().state_dict(), entries, self._extra())
+        return self._named(packed) if distributor.shards_parameters else packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
@@ -215,7 +295,17 @@ class DashStateDict(torch.optim.Optimizer):
         Tensors keep their saved dtype (statistics stay float32 for low-precision
         parameters); the stacks are rebuilt at the next step.
         """
+        local = self._distributor.local  # sharded one-dimensional buffers: this rank's part
+        state_dict = {
+            **state_dict,
+            "state": {
+                key: {name: local(value) if isinstance(value, Tensor) else value for name, value in entry.items()}
+                for key, entry in state_dict.get("state", {}).items()
+            },
+        }
         check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
+        check_same_layout(state_dict, {name: getattr(self, name) for name in LAYOUT_OPTIONS})
+        check_same_names(state_dict, self.param_groups)
         self.roots.discard()
         state_dict = dict(state_dict)
         saved_state = state_dict.pop("state")

@@ -1,0 +1,85 @@
+"""DASH state in distributed checkpoints, whatever the world size at save and at load.
+
+Each rank writes its share of :meth:`DASH.sharded_state_dict` (the blocks it owns,
+its rows of the one-dimensional buffers) with ``torch.distributed.checkpoint``. At
+load, each rank asks only for what it owns under the current world size: the blocks
+of its ownership plan and its rows of the one-dimensional buffers (resharded by
+``torch.distributed.checkpoint``), so no rank reads the whole optimizer state and no
+consolidation step is needed. A full single-file checkpoint holds the same form,
+gathered on rank 0; every rank keeps only its blocks when loading it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_dash.optim import DASH
+from lightning_dash.optim.layout import param_names
+
+_TILE = re.compile(r"^(?P<item>[a-z_]+)_(?P<i>\d+)_(?P<j>\d+)$")
+
+
+def full_state(optimizer: DASH) -> dict[str, Any] | None:
+    """The whole world-size-free state on rank 0 (None elsewhere). Collective."""
+    optimizer.consolidate_state_dict()
+    if optimizer.distributor.rank != 0:
+        optimizer.state_dict()  # clears what consolidation left on this rank
+        return None
+    return optimizer.state_dict()
+
+
+def checkpoint_state(optimizer: DASH, distributed: bool) -> dict[str, Any]:
+    """What a checkpoint holds for ``optimizer``: this rank's share for a distributed
+    checkpoint, the whole state (rank 0; empty elsewhere) for a single file."""
+    if distributed:
+        return optimizer.sharded_state_dict()
+    return full_state(optimizer) or {}
+
+
+def optimizer_template(optimizer: DASH, metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """What this rank loads of the optimizer state saved under ``prefix`` in a distributed
+    checkpoint whose ``state_dict_metadata`` is ``metadata``: every step count, the
+    blocks it owns, its rows of the one-dimensional buffers, and the groups and counters."""
+    owned = {name: set(tiles) for name, tiles in optimizer.owned_tiles().items()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_name = dict(zip(param_names(optimizer.param_groups), params))
+    distributor = optimizer.distributor
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    head = f"{prefix}.state."
+    for key, item_metadata in metadata.items():
+        if not key.startswith(head) or not isinstance(item_metadata, TensorStorageMetadata):
+            continue
+        name, item = key[len(head) :].rsplit(".", 1)
+        dtype = item_metadata.properties.dtype
+        tile = _TILE.match(item)
+        if tile is not None:
+            if (int(tile["i"]), int(tile["j"])) not in owned.get(name, set()):
+                continue
+            value = torch.empty(item_metadata.size, dtype=dtype)
+        elif item == "step" or name not in by_name:
+            value = torch.empty(item_metadata.size, dtype=dtype)
+        else:  # a one-dimensional parameter's buffer, sharded like the parameter
+            param = by_name[name]
+            local = torch.empty(distributor.local(param).shape, dtype=dtype, device=distributor.local(param).device)
+            value = distributor.shard_like(param, local)
+        state.setdefault(name, {})[item] = value
+    template = optimizer.sharded_state_dict()
+    template["state"] = state
+    return template
+
+
+def load_optimizer(optimizer: DASH, path: Path, prefix: str) -> None:
+    """Load this rank's part of the optimizer state saved under ``prefix`` in the
+    distributed checkpoint folder ``path``. Collective."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith(f"{prefix}.") for key in metadata):
+        raise KeyError(f"the checkpoint at {path} holds no optimizer state under {prefix!r}")
+    template = {prefix: optimizer_template(optimizer, metadata, prefix)}
+    dcp.load(template, checkpoint_id=str(path))
+    optimizer.load_state_dict(template[prefix])

@@ -285,7 +285,7 @@ def format_table(records: list[dict]) -> str:
             f"{r['adamw_state_bytes_mean'] / GIB:.3f}",
             f"{r['dash_bytes_sent_per_step_max'] / GIB:.3f} / {r['dash_bytes_sent_per_step_mean'] / GIB:.3f}",
             f"{r['fsdp_bytes_per_step'] / GIB:.3f}",
-            f"{r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}",
+            f"{100 * r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}%",
             f"{r['rank_setup_s']:.1f}",
         ]
         for r in records

@@ -23,6 +23,7 @@ import step_time
 from _shampoo_loop import ShampooLoop, block_slices
 
 from lightning_dash import DASH
+from lightning_dash.distributed import block_shapes
 
 STEP_TIME_KEYS = {
     "device": str,
@@ -319,3 +320,57 @@ def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
         "dash_f10 newton_db float32 b32",
     ]
     assert all(c["ratio"] > 0 and len(c["before_ms"]) == 1 for c in report["cases"])
+
+
+def test_fsdp_smoke_run_matches_its_plan(tmp_path):
+    """Two gloo ranks of a tiny FSDP2 GPT: the measured state and traffic are the plan
+    ``fsdp_estimate`` computes from the shapes, and FSDP2's counted traffic is the formula's."""
+    import fsdp
+
+    out = tmp_path / "fsdp.json"
+    argv = ["--smoke", "--world-sizes", "2", "--warmup", "1", "--rounds", "1", "--steps-per-round", "2"]
+    report = fsdp.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (record,) = report["records"]
+    assert record["world_size"] == 2 and record["blocks"] > 2
+    assert record["matches_plan"] and record["state_bound_holds"] and record["nonfinite_skips"] == 0
+    assert record["fsdp_counted_bytes_per_step"] == record["fsdp_bytes_per_step"] > 0
+    assert record["dash_state_bytes_total"] == sum(record["dash_state_bytes"])
+    assert 0 < record["dash_bytes_sent_per_step_max"] < record["fsdp_bytes_per_step"]
+    assert record["adamw_step_ms"] > 0 and record["dash_step_ms"] > 0 and record["ownership_balance"] >= 1.0
+
+
+def test_fsdp_estimate_of_a_small_qwen3(tmp_path):
+    """Shapes only: every block's state is on exactly one rank, whatever the world size,
+    and one rank sends nothing."""
+    import fsdp_estimate as est
+
+    config = est.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=203,
+    )
+    names = [name for name, _ in est.qwen3_parameters(config)]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    assert len(names) == 3 + 11 * 2
+    records = [est.estimate(config, world_size, block_size=32) for world_size in (1, 3, 5)]
+    assert records[0]["dash_bytes_sent_per_step_max"] == 0 and records[0]["fsdp_bytes_per_step"] == 0
+    vectors = 8 * (2 * (16 + 16 + 64 + 64) + 64)  # q/k norms and layer norms of two layers, final norm
+    assert (
+        records[0]["dash_state_bytes_total"]
+        == sum(
+            est.block_state_bytes(*shape) for shape in block_shapes([s for _, s in est.qwen3_parameters(config)], 32)
+        )
+        + vectors
+    )
+    for record in records[1:]:
+        assert record["dash_state_bytes_total"] == records[0]["dash_state_bytes_total"]
+        assert record["dash_state_bytes_max"] >= record["dash_state_bytes_mean"]
+        assert record["adamw_state_bytes_mean"] == pytest.approx(8 * record["parameters"] / record["world_size"])
+        assert 0 < record["dash_bytes_sent_per_step_mean"] < record["fsdp_bytes_per_step"]
+    report = est.main(["--world-sizes", "2", "--block-size", "1024", "--out", str(tmp_path / "e.json")])
+    assert report["records"][0]["parameters"] == 8_190_735_360

@@ -1,0 +1,328 @@
+"""Paper estimate of DASH on FSDP2 for Qwen3-8B: optimizer state and traffic per rank, from shapes alone.
+
+No processes and no real tensors: the parameters are ``meta`` tensors of Qwen3-8B's
+shapes (from its ``config.json``: hidden 4096, intermediate 12288, 36 layers, 32
+query and 8 key/value heads of dim 128, vocabulary 151936, untied embeddings), in
+the order ``model.parameters()`` lists them. :func:`sharded_plan` builds exactly the
+plan :class:`~lightning_dash.distributed.ShardedDistributor` builds at its first step
+(``matrix_regions`` -> ``block_cost`` -> ``lpt_assign`` -> ``split_by_owner`` ->
+``stacks_by_placement`` -> ``plan_pieces`` -> ``exchange_for``), for every rank, and
+counts from it, per rank:
+
+* DASH state bytes (float32 statistics): for each owned ``rows x cols`` block, left and
+  right factor and their roots, ``2 (rows^2 + cols^2)``, plus momentum and the grafting
+  second moment, ``2 rows cols``; plus momentum and second moment of the rank's row shard
+  of every 1-D parameter. (``DASH.state_bytes()`` also counts 13 bytes of per-block
+  scalars: root validity, failure count and factor scale.)
+* DASH bytes sent per step: the gradient rows this rank holds of other ranks' blocks
+  plus the update rows of its own blocks that other ranks hold, float32 both ways
+  (``RowExchange.elements_sent() * 4``).
+* AdamW state bytes: two float32 buffers over the rank's row shard of every parameter
+  (``8 P / N`` on average).
+* FSDP2's own bytes sent per step and rank, assuming bf16 parameters all-gathered twice
+  (forward, and again in backward: ``reshard_after_forward=True``) and float32 gradients
+  reduce-scattered, with bandwidth-optimal (ring) collectives:
+  ``(N - 1) * S * (2 * 2 + 4)`` where ``S = sum_p ceil(rows_p / N) * cols_p`` is one
+  rank's padded shard. FSDP2 does not reshard its root module after forward, so if the
+  embeddings, final norm and LM head stay in the root they are gathered only once:
+  ``fsdp_root_once_bytes_per_step`` is that variant.
+
+Results go to ``benchmarks/results/fsdp_qwen3_8b_estimate.json``. Run from the repository root::
+
+    .venv/bin/python benchmarks/fsdp_estimate.py
+    .venv/bin/python benchmarks/fsdp_estimate.py --world-sizes 64 --block-size 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, format_columns, write_json
+
+from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
+from lightning_dash.distributed.block_exchange import split_by_owner
+from lightning_dash.distributed.row_exchange import exchange_for, plan_pieces, row_ranges
+from lightning_dash.optim.blocks import matrix_shape
+from lightning_dash.optim.config import DashConfig
+from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
+
+RESULTS_PATH = RESULTS_DIR / "fsdp_qwen3_8b_estimate.json"
+FLOAT32 = 4
+#: ``DASH.state_bytes()`` per block beyond the float32 statistics: root_valid (bool),
+#: root_failures (int32), factor_scale (float64).
+BLOCK_SCALAR_BYTES = 1 + 4 + 8
+FSDP_ASSUMPTION = (
+    "bf16 parameters all-gathered in forward and again in backward, float32 gradients reduce-scattered; "
+    "ring collectives: each rank sends (N - 1) * S elements per collective, S = sum_p ceil(rows_p / N) * "
+    "cols_p its padded shard; bytes = (N - 1) * S * (2 + 2 + 4)"
+)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of a Qwen3 ``config.json`` that fix the parameter shapes."""
+
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+    tie_word_embeddings: bool = False
+
+
+QWEN3_8B = Qwen3Config()
+
+
+def qwen3_parameters(config: Qwen3Config = QWEN3_8B) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes in ``model.parameters()`` order (Linear weights are ``(out, in)``)."""
+    h, ffn, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    out = [("model.embed_tokens.weight", (config.vocab_size, h))]
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        out += [
+            (prefix + "self_attn.q_proj.weight", (q, h)),
+            (prefix + "self_attn.k_proj.weight", (kv, h)),
+            (prefix + "self_attn.v_proj.weight", (kv, h)),
+            (prefix + "self_attn.o_proj.weight", (h, q)),
+            (prefix + "self_attn.q_norm.weight", (d,)),
+            (prefix + "self_attn.k_norm.weight", (d,)),
+            (prefix + "mlp.gate_proj.weight", (ffn, h)),
+            (prefix + "mlp.up_proj.weight", (ffn, h)),
+            (prefix + "mlp.down_proj.weight", (h, ffn)),
+            (prefix + "input_layernorm.weight", (h,)),
+            (prefix + "post_attention_layernorm.weight", (h,)),
+        ]
+    out.append(("model.norm.weight", (h,)))
+    if not config.tie_word_embeddings:
+        out.append(("lm_head.weight", (config.vocab_size, h)))
+    return out
+
+
+def meta_parameters(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Stand-ins with the shapes and dtype of the parameters and no storage."""
+    return [torch.empty(tuple(shape), dtype=dtype, device="meta") for shape in shapes]
+
+
+def block_state_bytes(rows: int, cols: int, element_bytes: int = FLOAT32) -> int:
+    """Factors and roots of both sides, momentum and grafting second moment of one block."""
+    return element_bytes * (2 * (rows * rows + cols * cols) + 2 * rows * cols)
+
+
+def local_rows(rows: int, world_size: int, rank: int) -> int:
+    start, end = row_ranges(rows, world_size)[rank]
+    return end - start
+
+
+def padded_shard(shapes: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements of one rank's FSDP2 shard of every parameter, dim 0 padded to a multiple of N."""
+    return sum(-(-shape[0] // world_size) * math.prod(shape[1:]) for shape in shapes)
+
+
+def fsdp_bytes_per_step(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    param_bytes: int,
+    grad_bytes: int,
+    gathered_once: Sequence[bool] | None = None,
+) -> int:
+    """Bytes one rank sends per step in FSDP2's collectives (ring algorithms).
+
+    Each parameter's padded shard ``S_p`` goes to ``N - 1`` ranks in every all-gather
+    (twice per step, forward and backward, or once when ``gathered_once[p]``: the root
+    module, which FSDP2 does not reshard after forward) and ``(N - 1) S_p`` gradient
+    elements leave each rank in the reduce-scatter.
+    """
+    once = gathered_once or [False] * len(shapes)
+    total = 0
+    for shape, single in zip(shapes, once):
+        shard = padded_shard([shape], world_size)
+        total += (world_size - 1) * shard * ((1 if single else 2) * param_bytes + grad_bytes)
+    return total
+
+
+@dataclass
+class ShardedPlan:
+    """Per-rank numbers of :class:`~lightning_dash.distributed.ShardedDistributor`'s plan."""
+
+    world_size: int
+    blocks: int
+    pieces: int
+    balance: float
+    owned_blocks: list[int]
+    state_bytes: list[int]
+    elements_sent: list[int]
+    largest_block_state_bytes: int
+    #: Seconds for everything a single rank computes at its first step (owners, every
+    #: rank's stacks, every piece, its own exchange), and for the other ranks' exchanges.
+    rank_setup_s: float
+    all_exchanges_s: float
+
+
+def sharded_plan(
+    params: list[torch.Tensor],
+    world_size: int,
+    block_size: int,
+    precondition_frequency: int = 10,
+    root_iterations: int = 10,
+) -> ShardedPlan:
+    """The plan of ``ShardedDistributor.plan_stacks`` for every rank, from parameter stand-ins.
+
+    One parameter group with one ``precondition_frequency``; blocks are owned from
+    scratch (a distributor that has not planned before).
+    """
+    start = time.perf_counter()
+    regions = matrix_regions(params, block_size)
+    tiles = [tile for region in regions for tile in region.single_tiles()]
+    costs = [block_cost(*tile.block_shape, precondition_frequency, root_iterations) for tile in tiles]
+    owners = lpt_assign(costs, world_size)
+    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
+    shapes = {index: matrix_shape(param.shape) for index, param in enumerate(params) if param.dim() >= 2}
+    pieces = plan_pieces(rank_plans, shapes, world_size)
+    exchanges = [exchange_for(pieces, 0, world_size, shapes)]
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
+    exchanges += [exchange_for(pieces, rank, world_size, shapes) for rank in range(1, world_size)]
+    others = time.perf_counter() - start
+    loads = [0.0] * world_size
+    for owner, cost in zip(owners, costs):
+        loads[owner] += cost
+    vectors = [param.shape[0] for param in params if param.dim() == 1]
+    state, owned = [], []
+    for rank, plans in enumerate(rank_plans):
+        blocks = sum(block_state_bytes(*plan.block_shape) * plan.num_blocks for plan in plans)
+        elementwise = sum(2 * FLOAT32 * local_rows(rows, world_size, rank) for rows in vectors)
+        state.append(blocks + elementwise)
+        owned.append(sum(plan.num_blocks for plan in plans))
+    return ShardedPlan(
+        world_size=world_size,
+        blocks=len(tiles),
+        pieces=len(pieces),
+        balance=imbalance(loads),
+        owned_blocks=owned,
+        state_bytes=state,
+        elements_sent=[exchange.elements_sent() for exchange in exchanges],
+        largest_block_state_bytes=max(block_state_bytes(*tile.block_shape) for tile in tiles),
+        rank_setup_s=setup,
+        all_exchanges_s=others,
+    )
+
+
+def adamw_state_bytes(shapes: Sequence[Sequence[int]], world_size: int) -> list[int]:
+    """Two float32 buffers over each rank's row shard of every parameter."""
+    return [
+        sum(2 * FLOAT32 * local_rows(shape[0], world_size, rank) * math.prod(shape[1:]) for shape in shapes)
+        for rank in range(world_size)
+    ]
+
+
+def estimate(config: Qwen3Config, world_size: int, block_size: int) -> dict:
+    named = qwen3_parameters(config)
+    shapes = [shape for _, shape in named]
+    root = [not name.startswith("model.layers.") for name, _ in named]
+    plan = sharded_plan(meta_parameters(shapes), world_size, block_size)
+    sent = [FLOAT32 * elements for elements in plan.elements_sent]
+    adamw = adamw_state_bytes(shapes, world_size)
+    return {
+        "world_size": world_size,
+        "block_size": block_size,
+        "parameters": sum(math.prod(shape) for shape in shapes),
+        "blocks": plan.blocks,
+        "pieces": plan.pieces,
+        "ownership_balance": plan.balance,
+        "owned_blocks_max": max(plan.owned_blocks),
+        "owned_blocks_min": min(plan.owned_blocks),
+        "dash_state_bytes_max": max(plan.state_bytes),
+        "dash_state_bytes_mean": sum(plan.state_bytes) / world_size,
+        "dash_state_bytes_total": sum(plan.state_bytes),
+        "largest_block_state_bytes": plan.largest_block_state_bytes,
+        "adamw_state_bytes_max": max(adamw),
+        "adamw_state_bytes_mean": sum(adamw) / world_size,
+        "dash_bytes_sent_per_step_max": max(sent),
+        "dash_bytes_sent_per_step_mean": sum(sent) / world_size,
+        "fsdp_bytes_per_step": fsdp_bytes_per_step(shapes, world_size, param_bytes=2, grad_bytes=4),
+        "fsdp_root_once_bytes_per_step": fsdp_bytes_per_step(shapes, world_size, 2, 4, gathered_once=root),
+        "rank_setup_s": plan.rank_setup_s,
+        "all_exchanges_s": plan.all_exchanges_s,
+    }
+
+
+GIB = 2**30
+
+
+def format_table(records: list[dict]) -> str:
+    header = [
+        "ranks",
+        "blocks",
+        "pieces",
+        "balance",
+        "DASH state max/mean GiB",
+        "AdamW state GiB",
+        "DASH sent max/mean GiB/step",
+        "FSDP2 sent GiB/step",
+        "DASH/FSDP2 sent",
+        "setup s",
+    ]
+    rows = [
+        [
+            str(r["world_size"]),
+            str(r["blocks"]),
+            str(r["pieces"]),
+            f"{r['ownership_balance']:.3f}",
+            f"{r['dash_state_bytes_max'] / GIB:.3f} / {r['dash_state_bytes_mean'] / GIB:.3f}",
+            f"{r['adamw_state_bytes_mean'] / GIB:.3f}",
+            f"{r['dash_bytes_sent_per_step_max'] / GIB:.3f} / {r['dash_bytes_sent_per_step_mean'] / GIB:.3f}",
+            f"{r['fsdp_bytes_per_step'] / GIB:.3f}",
+            f"{100 * r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}%",
+            f"{r['rank_setup_s']:.1f}",
+        ]
+        for r in records
+    ]
+    return format_columns(header, rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--block-size", type=int, default=DashConfig().block_size)
+    parser.add_argument("--out", type=Path, default=RESULTS_PATH)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    records = []
+    for world_size in args.world_sizes:
+        start = time.perf_counter()
+        record = estimate(QWEN3_8B, world_size, args.block_size)
+        record["wall_s"] = time.perf_counter() - start
+        records.append(record)
+    print(format_table(records))
+    report = {
+        "model": "Qwen3-8B",
+        "config": asdict(QWEN3_8B),
+        "dtypes": "bf16 parameters, float32 gradients and optimizer state",
+        "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
+        "dash_traffic": "gradient rows to block owners and update rows back, float32 (RowExchange.elements_sent * 4)",
+        "adamw_state": "2 float32 buffers per element of the rank's row shard",
+        "fsdp_assumption": FSDP_ASSUMPTION,
+        "records": records,
+    }
+    print(f"\nwrote {write_json(args.out, report)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

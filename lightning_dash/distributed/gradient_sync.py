@@ -17,11 +17,13 @@ from torch.futures import Future
 
 @dataclass
 class CommStats:
-    """Bytes one rank sent and received for gradient synchronisation."""
+    """Bytes one rank sent and received for gradient synchronisation, and the bytes the
+    optimizer's own block exchange sent (``optimizer_bytes_sent``), cumulative."""
 
     bytes_sent: float = 0.0
     bytes_received: float = 0.0
     steps: int = 0
+    optimizer_bytes_sent: float = 0.0
 
     def record(self, sent: float, received: float) -> None:
         self.bytes_sent += sent
@@ -35,6 +37,7 @@ class CommStats:
             "steps": self.steps,
             "bytes_sent_per_step": self.bytes_sent / steps,
             "bytes_received_per_step": self.bytes_received / steps,
+            "optimizer_bytes_sent_per_step": self.optimizer_bytes_sent / steps,
         }
 
 

@@ -48,6 +48,8 @@ class ProcessGroupDistributor(WholeParameters):
         self._owners: dict[Hashable, int] = {}
         self._costs: dict[Hashable, float] = {}
         self._exchange: ExchangePlan | None = None
+        #: Bytes this rank sent to other ranks in the optimizer's exchanges (cumulative).
+        self.bytes_sent = 0
 
     def _loads(self) -> list[float]:
         loads = [0.0] * self.world_size
@@ -105,6 +107,7 @@ class ProcessGroupDistributor(WholeParameters):
         send = tensor.to(self.communication_dtype)
         received = [torch.empty_like(send) for _ in range(self.world_size)]
         dist.all_gather(received, send, group=self.process_group)
+        self.bytes_sent += (self.world_size - 1) * send.numel() * send.element_size()  # a ring all-gather
         return [part.to(tensor.dtype) for part in received]
 
     def gather_to_first(self, obj: Any) -> list[Any] | None:

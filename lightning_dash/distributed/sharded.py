@@ -95,8 +95,6 @@ class ShardedDistributor(ProcessGroupDistributor):
         super().__init__(process_group, communication_dtype, root_iterations)
         self._rows: RowExchange | None = None
         self._plans: list[StackPlan] = []
-        #: Bytes this rank sent to other ranks in the optimizer's exchanges (both directions).
-        self.bytes_sent = 0
 
     # ------------------------------------------------------------------ placement
     def local(self, tensor: Tensor) -> Tensor:

@@ -27,7 +27,9 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
       with ``async_preconditioning``: root launches swapped in without waiting, launches
       waited for, and the time stalled in those waits (cumulative, this rank's);
     - ``dash/grad_sync_bytes_sent_per_step``, ``dash/grad_sync_bytes_received_per_step``: mean
-      gradient-synchronisation traffic of this rank, when ``comm_stats`` has counted steps.
+      gradient-synchronisation traffic of this rank, when ``comm_stats`` has counted steps;
+    - ``dash/optimizer_bytes_sent_per_step``: mean bytes this rank's block exchange sent (the
+      updates' all-gather under DDP, the gradient and update rows under FSDP2), when counted.
     """
     metrics = {
         "dash/optimizer_step_ms": float(step_ms),
@@ -47,4 +49,6 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
         traffic = comm_stats.as_dict()
         metrics["dash/grad_sync_bytes_sent_per_step"] = traffic["bytes_sent_per_step"]
         metrics["dash/grad_sync_bytes_received_per_step"] = traffic["bytes_received_per_step"]
+        if comm_stats.optimizer_bytes_sent:
+            metrics["dash/optimizer_bytes_sent_per_step"] = traffic["optimizer_bytes_sent_per_step"]
     return metrics

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_dash.distributed import shard_across_ranks
+from lightning_dash.distributed import ShardedDistributor, shard_across_ranks
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.validation import check_bool, check_communication_dtype, check_number
@@ -100,10 +100,12 @@ class ConversionOptions:
             overrides, factor_decay, False if allow_custom_step is None else allow_custom_step, communication_dtype
         )
 
-    def convert(self, optimizer: Optimizer) -> DASH:
+    def convert(self, optimizer: Optimizer, *, sharded_parameters: bool = False) -> DASH:
         """``optimizer`` as DASH over its own parameter groups (so its schedulers keep
         working), with these options, and its blocks owned across the ranks of the
-        default process group when several are running.
+        default process group when several are running. ``sharded_parameters``: the
+        parameters are FSDP2 row shards (DTensors), exchanged by a
+        :class:`~lightning_dash.distributed.ShardedDistributor` (also in one process).
 
         A DASH optimizer is kept as it is: the overrides are not applied to it (a
         warning names them).
@@ -124,7 +126,12 @@ class ConversionOptions:
             dash = DASH.from_optimizer(
                 optimizer, **self.overrides, **conversion, allow_custom_step=self.allow_custom_step
             )
-        shard_across_ranks(dash, self.communication_dtype)
+        if sharded_parameters:
+            dash.distributor = ShardedDistributor(
+                communication_dtype=self.communication_dtype, root_iterations=dash.root_settings.iterations or 10
+            )
+        else:
+            shard_across_ranks(dash, self.communication_dtype)
         return dash
 
 

@@ -17,12 +17,30 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from lightning_dash.optim import DASH
 from lightning_dash.optim.layout import param_names
 
 _TILE = re.compile(r"^(?P<item>[a-z_]+)_(?P<i>\d+)_(?P<j>\d+)$")
+
+
+def name_parameters(optimizer: DASH, module: nn.Module) -> bool:
+    """Name the parameters of ``optimizer``'s groups after ``module``'s (``param_names``,
+    as torch's named parameter groups), so checkpoints key the state by name; returns
+    whether it did (every parameter must belong to ``module``; groups already named stay)."""
+    if all("param_names" in group for group in optimizer.param_groups):
+        return True
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), name)
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        return False
+    for group in optimizer.param_groups:
+        group["param_names"] = [names[id(p)] for p in group["params"]]
+    return True
 
 
 def full_state(optimizer: DASH) -> dict[str, Any] | None:
@@ -72,6 +90,33 @@ def optimizer_template(optimizer: DASH, metadata: dict[str, Any], prefix: str) -
     template = optimizer.sharded_state_dict()
     template["state"] = state
     return template
+
+
+#: The file beside a distributed checkpoint's shards with everything that is not a
+#: model or optimizer (Lightning's and Fabric's name for it).
+METADATA_FILE = "meta.pt"
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``torch.distributed.checkpoint`` (with its metadata file)."""
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def load_model(module: nn.Module, path: Path, key: str, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+    """Load ``module``'s weights saved under ``key`` (a distributed checkpoint folder, or a
+    full single file, at any world size) and return the rest of the checkpoint: the
+    metadata file's contents, or the file without ``key``. Collective."""
+    if is_distributed_checkpoint(path):
+        state = {key: get_model_state_dict(module)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict))
+        return torch.load(path / METADATA_FILE, weights_only=weights_only)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (neither a file nor a distributed checkpoint folder)")
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    weights = checkpoint.pop(key)
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+    return checkpoint
 
 
 def load_optimizer(optimizer: DASH, path: Path, prefix: str) -> None:

@@ -1,0 +1,231 @@
+"""``Trainer(strategy="dash_fsdp")``: FSDP2-sharded models with DASH blocks owned across ranks."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dash.distributed.gradient_sync import CommStats
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.sharded_checkpoint import (
+    checkpoint_state,
+    is_distributed_checkpoint,
+    load_model,
+    load_optimizer,
+    name_parameters,
+)
+from lightning_dash.integration.traffic import fsdp_bytes_per_step
+from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.optim.validation import check_choice
+from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_module
+from lightning_dash.strategies.optimizer_swap import swap_optimizers
+
+
+class _WholeWeightsLauncher(_MultiProcessingLauncher):
+    """Spawned or forked ranks that hand the main process whole weights: the sharded
+    DTensor parameters are gathered (collectively) before rank 0 saves them."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(trainer.lightning_module, options=options)
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(weights, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse a keyword neither DASH nor ModelParallelStrategy takes, and tensor parallelism."""
+    known = set(inspect.signature(ModelParallelStrategy.__init__).parameters) - {"self"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"DashFSDPStrategy got unknown option(s) {unknown}; it takes {sorted(known)} "
+            f"and the DASH options {sorted(OPTION_NAMES)}"
+        )
+    if options.get("tensor_parallel_size", 1) != 1:
+        raise ValueError(
+            f"tensor_parallel_size={options['tensor_parallel_size']!r}: DashFSDPStrategy shards by data "
+            "parallelism alone (tensor_parallel_size=1)"
+        )
+
+
+class DashFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) whose optimizer is DASH, each Shampoo block owned by one rank.
+
+    A LightningModule that shards itself in ``configure_model`` is used as it is; an
+    unchanged one is sharded here: every child of each ``nn.ModuleList`` (or each
+    instance of ``shard_modules``), then the root. The optimizer of
+    ``configure_optimizers`` is converted as under ``strategy="dash"`` (its schedulers
+    keep working). After FSDP2's reduce-scatter, each block's gradient rows travel to
+    its owner (one ``all_to_all``) and the update rows come back (a second one), so the
+    result equals single-process DASH on the global batch at any world size, and each
+    rank keeps only its blocks' state. Checkpoints hold DASH's state keyed by parameter
+    name and block and resume at any world size, and under ``strategy="dash"`` too.
+
+    Args:
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`.
+        DashConfig options: every DASH option by keyword (in the generated signature),
+            as for :class:`~lightning_dash.strategies.DashStrategy`.
+        factor_decay: ``betas[1]`` of DASH.
+        allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
+        communication_dtype: dtype of the update rows sent back to the ranks holding them.
+        shard_modules: module classes that become FSDP2 units of an unchanged module
+            (default: the children of every ``nn.ModuleList``).
+        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+            (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ...).
+    """
+
+    strategy_name = "dash_fsdp"
+
+    @accepts_dash_options
+    def __init__(
+        self,
+        *,
+        config: DashConfig | None = None,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
+        shard_modules: Collection[type[nn.Module]] | None = None,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        options = take_dash_options(kwargs)
+        _check_options(kwargs)
+        kwargs.setdefault("data_parallel_size", "auto")
+        kwargs["tensor_parallel_size"] = 1
+        super().__init__(**kwargs)
+        #: How the optimizer of ``configure_optimizers`` becomes DASH.
+        self.conversion = ConversionOptions.build(
+            config,
+            factor_decay=factor_decay,
+            allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype,
+            **options,
+        )
+        self.shard_modules = tuple(shard_modules) if shard_modules else None
+        self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
+        #: FSDP2's gradient and parameter traffic per step (from the collectives' sizes) and
+        #: the bytes DASH's row exchanges sent, for this rank.
+        self.comm_stats = CommStats()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (
+            ("dash_fsdp", "popen"),
+            ("dash_fsdp_spawn", "spawn"),
+            ("dash_fsdp_fork", "fork"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"FSDP2 with DASH (block-owned Shampoo), {start_method} launcher",
+                    start_method=start_method,
+                )
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _WholeWeightsLauncher(self, start_method=self.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not is_sharded(self.model):
+            shard_module(self.model, self.device_mesh["data_parallel"], self.shard_modules)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = swap_optimizers(self.optimizers, self.lr_scheduler_configs, self._convert)
+
+    def _convert(self, optimizer: Optimizer) -> DASH:
+        dash = self.conversion.convert(optimizer, sharded_parameters=True)
+        name_parameters(dash, self.lightning_module)
+        return dash
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        dash = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(dash, DASH):
+            self.comm_stats.steps += 1
+            traffic = fsdp_bytes_per_step(self.lightning_module, self.world_size)
+            self.comm_stats.record(traffic, traffic)
+            self.comm_stats.optimizer_bytes_sent = float(getattr(dash.distributor, "bytes_sent", 0))
+        return result
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        dash = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(dash, DASH):
+            return checkpoint_state(dash, distributed=self._save_distributed_checkpoint)
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.lightning_module is not None
+        rest = load_model(self.model, path, "state_dict", self.lightning_module.strict_loading, weights_only)
+        for index, optimizer in enumerate(self.optimizers):
+            dash = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if is_distributed_checkpoint(path):
+                load_optimizer(dash, path, f"optimizer_{index}")
+            else:
+                dash.load_state_dict(rest["optimizer_states"][index])
+        return rest
+
+    @override
+    def teardown(self) -> None:
+        # Let every rank finish its last collective before any of them exits.
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        super().teardown()

@@ -1,0 +1,50 @@
+"""Replacing the optimizers of ``configure_optimizers`` by DASH inside a Lightning strategy.
+
+Both strategies convert every real optimizer (Lightning's stand-in for "no optimizer"
+is left alone, so such a fit runs as Lightning runs it) and point the learning-rate
+schedulers that drove the old optimizer at the new one, which shares its parameter
+groups, so the schedules carry on unchanged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from lightning.pytorch.core.optimizer import _MockOptimizer
+from torch.optim import Optimizer
+
+
+def track_scheduler_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way torch's LR schedulers do, so a scheduler rebound
+    to it does not warn that ``optimizer.step()`` was overridden."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    function = type(optimizer).step
+
+    @wraps(function)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        target = owner()
+        target._opt_called = True  # type: ignore[union-attr]
+        return function(target, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+def swap_optimizers(
+    optimizers: list[Optimizer], scheduler_configs: list[Any], convert: Callable[[Optimizer], Optimizer]
+) -> list[Optimizer]:
+    """``optimizers`` converted by ``convert`` (Lightning's mock optimizer kept), with the
+    schedulers of ``scheduler_configs`` rebound to the converted ones."""
+    converted = [optimizer if isinstance(optimizer, _MockOptimizer) else convert(optimizer) for optimizer in optimizers]
+    for config in scheduler_configs:
+        scheduler = config.scheduler
+        for old, new in zip(optimizers, converted):
+            if getattr(scheduler, "optimizer", None) is old and new is not old:
+                scheduler.optimizer = new
+                track_scheduler_calls(new)
+    return converted

@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -217,7 +218,8 @@ class DashStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        converted = [self._convert(optimizer) for optimizer in self.optimizers]
+        # configure_optimizers returned None: Lightning said so and trains with a stand-in that steps nothing.
+        converted = [o if isinstance(o, _MockOptimizer) else self._convert(o) for o in self.optimizers]
         for config in self.lr_scheduler_configs:
             scheduler = config.scheduler
             for old, new in zip(self.optimizers, converted):

@@ -1,4 +1,5 @@
-"""``strategy="dash"`` where plain Lightning would work: a module without an optimizer.
+"""``strategy="dash"`` where plain Lightning would work: a module without an optimizer; and a clear error for
+sharding options, which belong to the FSDP strategy.
 
 Every fit runs a real Lightning Trainer on CPU (two gloo processes where it says so).
 """
@@ -13,7 +14,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from test_strategy import release_process_group, trainer
 from torch import nn
 
-from lightning_dash import DASH
+from lightning_dash import DASH, DashStrategy
 
 
 @pytest.fixture(autouse=True)
@@ -61,3 +62,35 @@ def test_no_optimizer_fits_with_lightnings_warning_and_moves_nothing(tmp_path):
 
 def test_no_optimizer_fits_in_two_processes(tmp_path):
     trainer(2, 3, tmp_path, "dash_spawn").fit(NoOptimizerModule())  # the checks run in each rank
+
+
+# Sharding options
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("sharding_strategy", "FULL_SHARD"),
+        ("auto_wrap_policy", {nn.Linear}),
+        ("cpu_offload", True),
+        ("mixed_precision", torch.distributed.fsdp.MixedPrecision(param_dtype=torch.bfloat16)),
+        ("activation_checkpointing_policy", {nn.Linear}),
+        ("state_dict_type", "sharded"),
+        ("device_mesh", (1, 2)),
+        ("reshard_after_forward", True),
+        ("shard_modules", [nn.Linear]),
+    ],
+)
+def test_sharding_option_points_to_the_fsdp_strategy(name, value):
+    with pytest.raises(ValueError, match=rf"\['{name}'\].*strategy=\"dash_fsdp\".*DashFSDPStrategy"):
+        DashStrategy(**{name: value})
+
+
+def test_several_sharding_options_are_all_named():
+    with pytest.raises(ValueError, match=r"\['auto_wrap_policy', 'sharding_strategy'\]"):
+        DashStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={nn.Linear}, block_size=16)
+
+
+def test_ddp_options_are_still_taken():
+    strategy = DashStrategy(find_unused_parameters=True, static_graph=False, gradient_as_bucket_view=True, block_size=8)
+    assert strategy.conversion.overrides == {"block_size": 8}

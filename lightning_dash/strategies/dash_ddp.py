@@ -24,6 +24,26 @@ from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
 
+#: Keywords of Lightning's FSDPStrategy and ModelParallelStrategy (and of FSDP2's ``fully_shard``) that mean
+#: sharded training: DDP does not take them, or (``mixed_precision``, ``device_mesh``) takes them in another sense.
+SHARDING_OPTIONS = frozenset(
+    {
+        "sharding_strategy",
+        "auto_wrap_policy",
+        "cpu_offload",
+        "mixed_precision",
+        "activation_checkpointing",
+        "activation_checkpointing_policy",
+        "state_dict_type",
+        "device_mesh",
+        "reshard_after_forward",
+        "shard_modules",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "save_distributed_checkpoint",
+    }
+)
+
 
 def _track_scheduler_calls(optimizer: Optimizer) -> None:
     """Mark ``optimizer.step`` the way torch's LR schedulers do, so a scheduler rebound
@@ -44,8 +64,14 @@ def _track_scheduler_calls(optimizer: Optimizer) -> None:
 
 
 def _check_ddp_options(options: dict[str, Any]) -> None:
-    """Refuse a keyword that neither DASH, DDPStrategy nor DistributedDataParallel takes
-    (a typo would otherwise fail only when the model is wrapped)."""
+    """Refuse a sharding keyword (pointing to the FSDP strategy) and a keyword that neither DASH, DDPStrategy
+    nor DistributedDataParallel takes: either would otherwise fail only when the model is wrapped, unrelatedly."""
+    sharding = sorted(SHARDING_OPTIONS.intersection(options))
+    if sharding:
+        raise ValueError(
+            f"DashStrategy is data parallel and does not shard; {sharding} are options of sharded training: "
+            'use strategy="dash_fsdp" or lightning_dash.DashFSDPStrategy(...) for FSDP with DASH'
+        )
     known = set(inspect.signature(DDPStrategy.__init__).parameters)
     known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
     unknown = sorted(set(options) - known)
@@ -81,7 +107,9 @@ class DashStrategy(DDPStrategy):
             DASH's own gradient momentum ``betas[0]`` is then set to 0).
         demo_topk, demo_chunk_size, demo_momentum: DeMo's coefficients kept per chunk,
             largest chunk side and momentum decay.
-        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`; a sharding option
+            (:data:`SHARDING_OPTIONS`, e.g. ``sharding_strategy``) raises ``ValueError`` pointing to
+            ``strategy="dash_fsdp"``.
     """
 
     strategy_name = "dash"

@@ -6,7 +6,7 @@ import inspect
 import weakref
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +23,18 @@ from lightning_dash.integration.options import ConversionOptions, accepts_dash_o
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+#: Registry name -> start method of its launcher, as Lightning's "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook".
+_LAUNCHERS = (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork"), ("dash_notebook", "fork"))
+#: Registry name suffix -> DDP's ``find_unused_parameters``, as Lightning's "ddp_find_unused_parameters_true".
+_UNUSED_PARAMETER_VARIANTS = (
+    ("", {}),
+    ("_find_unused_parameters_false", {"find_unused_parameters": False}),
+    ("_find_unused_parameters_true", {"find_unused_parameters": True}),
+)
 
 #: Keywords of Lightning's FSDPStrategy and ModelParallelStrategy (and of FSDP2's ``fully_shard``) that mean
 #: sharded training: DDP does not take them, or (``mixed_precision``, ``device_mesh``) takes them in another sense.
@@ -152,21 +164,20 @@ class DashStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("dash", "popen"),
-            ("dash_spawn", "spawn"),
-            ("dash_fork", "fork"),
-            ("dash_notebook", "fork"),
-        ):
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP with DASH (block-owned Shampoo), {start_method} launcher",
-                start_method=start_method,
-            )
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register "dash", "dash_spawn", "dash_fork" and "dash_notebook" and, as Lightning does for "ddp",
+        each with ``_find_unused_parameters_true`` (for modules leaving parameters without gradients, as GANs
+        do) and ``_false``; a name already registered is kept."""
+        for prefix, start_method in _LAUNCHERS:
+            for suffix, params in _UNUSED_PARAMETER_VARIANTS:
+                if prefix + suffix in strategy_registry:
+                    continue
+                description = f"DDP with DASH (block-owned Shampoo), {start_method} launcher"
+                if params:
+                    description += f", find_unused_parameters={params['find_unused_parameters']}"
+                strategy_registry.register(
+                    prefix + suffix, cls, description=description, start_method=start_method, **params
+                )
 
     @override
     def configure_ddp(self) -> None:

@@ -284,3 +284,8 @@ class DashStrategy(DDPStrategy):
             for group in dash.param_groups:
                 group["betas"] = (0.0, group["betas"][1])
         return dash
+
+
+def register_strategies(registry: _StrategyRegistry) -> None:
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    DashStrategy.register_strategies(registry)

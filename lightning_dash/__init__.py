@@ -1,8 +1,10 @@
 """lightning-dash: fast batched Shampoo (DASH) for plain PyTorch, Lightning and Composer.
 
-``from lightning_dash import DASH, DashConfig`` needs torch alone. When Lightning is
-installed, importing the package also registers ``strategy="dash"`` (and
-``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``) and exports ``DashStrategy``.
+``from lightning_dash import DASH, DashConfig`` needs torch alone. Importing the package
+registers ``strategy="dash"`` (and ``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``,
+each also ``..._find_unused_parameters_true``/``_false``) in every installed Lightning
+namespace (``lightning.pytorch`` and ``pytorch_lightning``); with ``lightning`` installed it
+also exports ``DashStrategy``.
 The Composer integration lives in :mod:`lightning_dash.composer`.
 """
 
@@ -10,12 +12,13 @@ from importlib.util import find_spec
 
 from lightning_dash.distributed.demo_optimizer import DeMo
 from lightning_dash.optim import DASH, DashConfig, RootComputationError
+from lightning_dash.strategies import register_strategies
 
 __all__ = ["DASH", "DashConfig", "DeMo", "RootComputationError"]
 __version__ = "0.3.0"
 
+register_strategies()  # imports no Lightning namespace that is not installed
 if find_spec("lightning") is not None:
-    from lightning_dash.strategies import DashStrategy, register_strategies
+    from lightning_dash.strategies import DashStrategy
 
-    register_strategies()
     __all__ += ["DashStrategy"]

@@ -1,13 +1,13 @@
-"""Lightning strategies; ``register_strategies`` adds them to Lightning's registry."""
+"""Lightning strategies; ``register_strategies`` adds them to every installed Lightning namespace's registry
+(:mod:`lightning_dash.strategies.namespaces`). ``DashStrategy`` is the ``lightning.pytorch`` one."""
 
-from lightning_dash.strategies.dash_ddp import DashStrategy
+from importlib.util import find_spec
 
+from lightning_dash.strategies.namespaces import register_strategies
 
-def register_strategies() -> None:
-    """Make ``Trainer(strategy="dash")`` (and the spawn/fork variants) resolvable."""
-    from lightning.pytorch.strategies import StrategyRegistry
+__all__ = ["register_strategies"]
 
-    DashStrategy.register_strategies(StrategyRegistry)
+if find_spec("lightning") is not None:
+    from lightning_dash.strategies.dash_ddp import DashStrategy
 
-
-__all__ = ["DashStrategy", "register_strategies"]
+    __all__ += ["DashStrategy"]

@@ -6,11 +6,12 @@ import inspect
 import weakref
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -22,6 +23,38 @@ from lightning_dash.integration.options import ConversionOptions, accepts_dash_o
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+#: Registry name -> start method of its launcher, as Lightning's "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook".
+_LAUNCHERS = (("dash", "popen"), ("dash_spawn", "spawn"), ("dash_fork", "fork"), ("dash_notebook", "fork"))
+#: Registry name suffix -> DDP's ``find_unused_parameters``, as Lightning's "ddp_find_unused_parameters_true".
+_UNUSED_PARAMETER_VARIANTS = (
+    ("", {}),
+    ("_find_unused_parameters_false", {"find_unused_parameters": False}),
+    ("_find_unused_parameters_true", {"find_unused_parameters": True}),
+)
+
+#: Keywords of Lightning's FSDPStrategy and ModelParallelStrategy (and of FSDP2's ``fully_shard``) that mean
+#: sharded training: DDP does not take them, or (``mixed_precision``, ``device_mesh``) takes them in another sense.
+SHARDING_OPTIONS = frozenset(
+    {
+        "sharding_strategy",
+        "auto_wrap_policy",
+        "cpu_offload",
+        "mixed_precision",
+        "activation_checkpointing",
+        "activation_checkpointing_policy",
+        "state_dict_type",
+        "device_mesh",
+        "reshard_after_forward",
+        "shard_modules",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "save_distributed_checkpoint",
+    }
+)
 
 
 def _track_scheduler_calls(optimizer: Optimizer) -> None:
@@ -43,8 +76,14 @@ def _track_scheduler_calls(optimizer: Optimizer) -> None:
 
 
 def _check_ddp_options(options: dict[str, Any]) -> None:
-    """Refuse a keyword that neither DASH, DDPStrategy nor DistributedDataParallel takes
-    (a typo would otherwise fail only when the model is wrapped)."""
+    """Refuse a sharding keyword (pointing to the FSDP strategy) and a keyword that neither DASH, DDPStrategy
+    nor DistributedDataParallel takes: either would otherwise fail only when the model is wrapped, unrelatedly."""
+    sharding = sorted(SHARDING_OPTIONS.intersection(options))
+    if sharding:
+        raise ValueError(
+            f"DashStrategy is data parallel and does not shard; {sharding} are options of sharded training: "
+            'use strategy="dash_fsdp" or lightning_dash.DashFSDPStrategy(...) for FSDP with DASH'
+        )
     known = set(inspect.signature(DDPStrategy.__init__).parameters)
     known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
     unknown = sorted(set(options) - known)
@@ -80,7 +119,9 @@ class DashStrategy(DDPStrategy):
             DASH's own gradient momentum ``betas[0]`` is then set to 0).
         demo_topk, demo_chunk_size, demo_momentum: DeMo's coefficients kept per chunk,
             largest chunk side and momentum decay.
-        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`; a sharding option
+            (:data:`SHARDING_OPTIONS`, e.g. ``sharding_strategy``) raises ``ValueError`` pointing to
+            ``strategy="dash_fsdp"``.
     """
 
     strategy_name = "dash"
@@ -123,21 +164,20 @@ class DashStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("dash", "popen"),
-            ("dash_spawn", "spawn"),
-            ("dash_fork", "fork"),
-            ("dash_notebook", "fork"),
-        ):
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP with DASH (block-owned Shampoo), {start_method} launcher",
-                start_method=start_method,
-            )
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register "dash", "dash_spawn", "dash_fork" and "dash_notebook" and, as Lightning does for "ddp",
+        each with ``_find_unused_parameters_true`` (for modules leaving parameters without gradients, as GANs
+        do) and ``_false``; a name already registered is kept."""
+        for prefix, start_method in _LAUNCHERS:
+            for suffix, params in _UNUSED_PARAMETER_VARIANTS:
+                if prefix + suffix in strategy_registry:
+                    continue
+                description = f"DDP with DASH (block-owned Shampoo), {start_method} launcher"
+                if params:
+                    description += f", find_unused_parameters={params['find_unused_parameters']}"
+                strategy_registry.register(
+                    prefix + suffix, cls, description=description, start_method=start_method, **params
+                )
 
     @override
     def configure_ddp(self) -> None:
@@ -217,7 +257,8 @@ class DashStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        converted = [self._convert(optimizer) for optimizer in self.optimizers]
+        # configure_optimizers returned None: Lightning said so and trains with a stand-in that steps nothing.
+        converted = [o if isinstance(o, _MockOptimizer) else self._convert(o) for o in self.optimizers]
         for config in self.lr_scheduler_configs:
             scheduler = config.scheduler
             for old, new in zip(self.optimizers, converted):
@@ -243,3 +284,8 @@ class DashStrategy(DDPStrategy):
             for group in dash.param_groups:
                 group["betas"] = (0.0, group["betas"][1])
         return dash
+
+
+def register_strategies(registry: _StrategyRegistry) -> None:
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    DashStrategy.register_strategies(registry)

@@ -3,8 +3,9 @@
 ``from lightning_dash import DASH, DashConfig`` needs torch alone. Importing the package
 registers ``strategy="dash"`` (and ``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``,
 each also ``..._find_unused_parameters_true``/``_false``) in every installed Lightning
-namespace (``lightning.pytorch`` and ``pytorch_lightning``); with ``lightning`` installed it
-also exports ``DashStrategy``.
+namespace (``lightning.pytorch`` and ``pytorch_lightning``), and ``strategy="dash_fsdp"``
+(FSDP2, with ``"dash_fsdp_spawn"`` and ``"dash_fsdp_fork"``); with ``lightning`` installed it
+also exports ``DashStrategy`` and ``DashFSDPStrategy``.
 The Composer integration lives in :mod:`lightning_dash.composer`.
 """
 
@@ -19,6 +20,6 @@ __version__ = "0.3.0"
 
 register_strategies()  # imports no Lightning namespace that is not installed
 if find_spec("lightning") is not None:
-    from lightning_dash.strategies import DashStrategy
+    from lightning_dash.strategies import DashFSDPStrategy, DashStrategy
 
-    __all__ += ["DashStrategy"]
+    __all__ += ["DashFSDPStrategy", "DashStrategy"]

@@ -12,12 +12,14 @@ gathered on rank 0; every rank keeps only its blocks when loading it.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -117,6 +119,17 @@ def load_model(module: nn.Module, path: Path, key: str, strict: bool, weights_on
     weights = checkpoint.pop(key)
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     return checkpoint
+
+
+def read_whole(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """Everything a distributed checkpoint folder holds, whole, in one dict (its shards
+    joined, plus its metadata file's entries): how a run with whole parameters (DDP)
+    reads a checkpoint written by sharded ranks. Not collective."""
+    with tempfile.TemporaryDirectory() as folder:
+        whole = Path(folder) / "whole.pt"
+        dcp_to_torch_save(str(path), str(whole))
+        content = torch.load(whole, map_location="cpu", weights_only=weights_only)
+    return {**torch.load(path / METADATA_FILE, weights_only=weights_only), **content}
 
 
 def load_optimizer(optimizer: DASH, path: Path, prefix: str) -> None:

@@ -9,5 +9,6 @@ __all__ = ["register_strategies"]
 
 if find_spec("lightning") is not None:
     from lightning_dash.strategies.dash_ddp import DashStrategy
+    from lightning_dash.strategies.dash_fsdp import DashFSDPStrategy
 
-    __all__ += ["DashStrategy"]
+    __all__ += ["DashFSDPStrategy", "DashStrategy"]

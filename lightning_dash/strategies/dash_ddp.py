@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
-from functools import wraps
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -20,9 +19,11 @@ from typing_extensions import override
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
+from lightning_dash.strategies.optimizer_swap import swap_optimizers
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -55,24 +56,6 @@ SHARDING_OPTIONS = frozenset(
         "save_distributed_checkpoint",
     }
 )
-
-
-def _track_scheduler_calls(optimizer: Optimizer) -> None:
-    """Mark ``optimizer.step`` the way torch's LR schedulers do, so a scheduler rebound
-    to it does not warn that ``optimizer.step()`` was overridden."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    owner = weakref.ref(optimizer)
-    function = type(optimizer).step
-
-    @wraps(function)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        target = owner()
-        target._opt_called = True  # type: ignore[union-attr]
-        return function(target, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = step  # type: ignore[method-assign]
 
 
 def _check_ddp_options(options: dict[str, Any]) -> None:
@@ -227,6 +210,17 @@ class DashStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # A folder written by strategy="dash_fsdp": read whole, in Lightning's checkpoint layout.
+        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
+        if path is None or not is_distributed_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = read_whole(path, weights_only)
+        count = sum(1 for key in checkpoint if key.startswith("optimizer_"))
+        checkpoint["optimizer_states"] = [checkpoint.pop(f"optimizer_{index}") for index in range(count)]
+        return checkpoint
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         self.resumed_steps = int(checkpoint.get("global_step", 0))
@@ -258,14 +252,7 @@ class DashStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         # configure_optimizers returned None: Lightning said so and trains with a stand-in that steps nothing.
-        converted = [o if isinstance(o, _MockOptimizer) else self._convert(o) for o in self.optimizers]
-        for config in self.lr_scheduler_configs:
-            scheduler = config.scheduler
-            for old, new in zip(self.optimizers, converted):
-                if getattr(scheduler, "optimizer", None) is old and new is not old:
-                    scheduler.optimizer = new
-                    _track_scheduler_calls(new)
-        self.optimizers = converted
+        self.optimizers = swap_optimizers(self.optimizers, self.lr_scheduler_configs, self._convert, _MockOptimizer)
 
     @override
     def teardown(self) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -139,11 +139,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("dash_fsdp", "popen"),
-            ("dash_fsdp_spawn", "spawn"),
-            ("dash_fsdp_fork", "fork"),
-        ):
+        for name, start_method in (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork")):
             if name not in strategy_registry:
                 strategy_registry.register(
                     name,
@@ -185,7 +181,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self.optimizers = swap_optimizers(self.optimizers, self.lr_scheduler_configs, self._convert)
+        self.optimizers = swap_optimizers(self.optimizers, self.lr_scheduler_configs, self._convert, _MockOptimizer)
 
     def _convert(self, optimizer: Optimizer) -> DASH:
         dash = self.conversion.convert(optimizer, sharded_parameters=True)
@@ -229,3 +225,8 @@ class DashFSDPStrategy(ModelParallelStrategy):
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         super().teardown()
+
+
+def register_strategies(registry: Any) -> None:
+    """Add ``"dash_fsdp"`` and its launcher variants to ``registry`` (see :mod:`.namespaces`)."""
+    DashFSDPStrategy.register_strategies(registry)

@@ -40,7 +40,10 @@ from types import ModuleType
 from typing import Any
 
 #: Our Lightning Trainer strategy modules, written against ``lightning.pytorch``. Add new ones here.
-TRAINER_STRATEGY_MODULES: tuple[str, ...] = ("lightning_dash.strategies.dash_ddp",)
+TRAINER_STRATEGY_MODULES: tuple[str, ...] = (
+    "lightning_dash.strategies.dash_ddp",
+    "lightning_dash.strategies.dash_fsdp",
+)
 #: Our Lightning Fabric strategy modules, written against ``lightning.fabric``. Add new ones here.
 FABRIC_STRATEGY_MODULES: tuple[str, ...] = ()
 

@@ -3,7 +3,8 @@
 Both strategies convert every real optimizer (Lightning's stand-in for "no optimizer"
 is left alone, so such a fit runs as Lightning runs it) and point the learning-rate
 schedulers that drove the old optimizer at the new one, which shares its parameter
-groups, so the schedules carry on unchanged.
+groups, so the schedules carry on unchanged. This module imports no Lightning
+namespace: the strategies pass their namespace's stand-in class.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch.optim import Optimizer
 
 
@@ -36,11 +36,15 @@ def track_scheduler_calls(optimizer: Optimizer) -> None:
 
 
 def swap_optimizers(
-    optimizers: list[Optimizer], scheduler_configs: list[Any], convert: Callable[[Optimizer], Optimizer]
+    optimizers: list[Optimizer],
+    scheduler_configs: list[Any],
+    convert: Callable[[Optimizer], Optimizer],
+    stand_in: type[Optimizer],
 ) -> list[Optimizer]:
-    """``optimizers`` converted by ``convert`` (Lightning's mock optimizer kept), with the
-    schedulers of ``scheduler_configs`` rebound to the converted ones."""
-    converted = [optimizer if isinstance(optimizer, _MockOptimizer) else convert(optimizer) for optimizer in optimizers]
+    """``optimizers`` converted by ``convert`` (instances of ``stand_in``, Lightning's
+    optimizer for a module without one, kept), with the schedulers of
+    ``scheduler_configs`` rebound to the converted ones."""
+    converted = [optimizer if isinstance(optimizer, stand_in) else convert(optimizer) for optimizer in optimizers]
     for config in scheduler_configs:
         scheduler = config.scheduler
         for old, new in zip(optimizers, converted):

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_dash.callbacks.grafting_schedule import _dash_optimizer
 from lightning_dash.integration import dash_metrics
 from lightning_dash.optim.validation import check_int
-from lightning_dash.strategies import DashStrategy
+from lightning_dash.strategies import DashFSDPStrategy, DashStrategy
 
 
 class DashMonitor(Callback):
@@ -35,8 +35,10 @@ class DashMonitor(Callback):
     - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms`` with
       ``async_preconditioning``;
     - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic
-      of gradient synchronisation so far, under :class:`~lightning_dash.DashStrategy` (which
-      counts it).
+      of gradient synchronisation so far (DDP's all-reduce, or FSDP2's all-gathers and
+      reduce-scatter), and ``dash/optimizer_bytes_sent_per_step``, the mean traffic of DASH's
+      own block exchange, under :class:`~lightning_dash.DashStrategy` or
+      :class:`~lightning_dash.DashFSDPStrategy` (which count them).
 
     Only logging steps synchronise the host with the device (the timing and the
     residual's ``.item()``); the other steps cost nothing.
@@ -90,7 +92,7 @@ class DashMonitor(Callback):
         if trainer.global_step != self._step:
             return  # the step was skipped (e.g. by a gradient scaler); nothing to report
         strategy = trainer.strategy
-        comm_stats = strategy.comm_stats if isinstance(strategy, DashStrategy) else None
+        comm_stats = strategy.comm_stats if isinstance(strategy, (DashStrategy, DashFSDPStrategy)) else None
         metrics = dash_metrics(_dash_optimizer(trainer, self), elapsed_ms, comm_stats)
         # The index Lightning gives this batch's own metrics (as LearningRateMonitor does).
         step = trainer.fit_loop.epoch_loop._batches_that_stepped

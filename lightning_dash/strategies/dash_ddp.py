@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -184,7 +184,10 @@ class DashStrategy(DDPStrategy):
             self.comm_stats.steps += 1
             return result
 
-        return super().optimizer_step(optimizer, closure_with_late_parameters, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_with_late_parameters, model, **kwargs)
+        dash = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self.comm_stats.optimizer_bytes_sent = float(getattr(getattr(dash, "distributor", None), "bytes_sent", 0))
+        return result
 
     def _demo_synchronise(self) -> None:
         """Replace every local gradient by DeMo's decoded mean of the ranks' fast components."""

@@ -22,6 +22,12 @@ from lightning_dash.optim.distributor import BlockUpdate, WholeParameters
 from lightning_dash.optim.validation import check_communication_dtype
 
 
+def wire_dtype(communication_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype updates of ``dtype`` travel in: ``communication_dtype``, except that the
+    float32 default carries float64 updates as they are (it promises a single process's result)."""
+    return dtype if communication_dtype == torch.float32 and dtype == torch.float64 else communication_dtype
+
+
 class ProcessGroupDistributor(WholeParameters):
     """Block ownership by greedy LPT over a FLOP cost model, and gloo/NCCL collectives,
     for ranks that hold whole parameters and identical gradients (DDP).
@@ -48,7 +54,8 @@ class ProcessGroupDistributor(WholeParameters):
         self._owners: dict[Hashable, int] = {}
         self._costs: dict[Hashable, float] = {}
         self._exchange: ExchangePlan | None = None
-        #: Bytes this rank sent to other ranks in the optimizer's exchanges (cumulative).
+        #: Bytes this rank sent to other ranks in the optimizer's block exchanges (cumulative;
+        #: the few bytes of the per-step agreement collectives are not counted).
         self.bytes_sent = 0
 
     def _loads(self) -> list[float]:
@@ -92,7 +99,10 @@ class ProcessGroupDistributor(WholeParameters):
         """All-gather every rank's flat update buffer (in ``communication_dtype``)."""
         device = updates[0].update.device if updates else self._device()
         local = pack_updates(self._exchange, self.rank, updates, device)
-        return GatheredUpdates(self._exchange, self.all_gather(local))
+        gathered = self.all_gather(local)
+        wire = wire_dtype(self.communication_dtype, local.dtype)
+        self.bytes_sent += (self.world_size - 1) * local.numel() * wire.itemsize  # a ring all-gather
+        return GatheredUpdates(self._exchange, gathered)
 
     def reduce_failures(self, summary: Tensor) -> Tensor:
         gathered = torch.stack(self.all_gather(summary.to(self._device())))
@@ -104,10 +114,9 @@ class ProcessGroupDistributor(WholeParameters):
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's equally sized ``tensor`` (sent in the communication dtype)."""
-        send = tensor.to(self.communication_dtype)
+        send = tensor.to(wire_dtype(self.communication_dtype, tensor.dtype))
         received = [torch.empty_like(send) for _ in range(self.world_size)]
         dist.all_gather(received, send, group=self.process_group)
-        self.bytes_sent += (self.world_size - 1) * send.numel() * send.element_size()  # a ring all-gather
         return [part.to(tensor.dtype) for part in received]
 
     def gather_to_first(self, obj: Any) -> list[Any] | None:

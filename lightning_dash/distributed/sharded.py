@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.process_group import ProcessGroupDistributor
+from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, plan_pieces, row_ranges
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
 from lightning_dash.optim.distributor import BlockUpdate
@@ -187,7 +187,8 @@ class ShardedDistributor(ProcessGroupDistributor):
                 shape = (self._plans[item.stack].num_blocks, *item.plan.block_shape)
                 stack = torch.zeros(shape, dtype=item.update.dtype, device=device)
                 full[item.stack] = stack.index_copy_(0, item.index, item.update)
-        send = torch.zeros(sum(rows.incoming_sizes), dtype=self.communication_dtype, device=device)
+        widest = torch.float64 if any(item.update.dtype == torch.float64 for item in updates) else torch.float32
+        send = torch.zeros(sum(rows.incoming_sizes), dtype=wire_dtype(self.communication_dtype, widest), device=device)
         offset = 0
         for pieces in rows.incoming:
             for piece in pieces:

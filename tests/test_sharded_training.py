@@ -1,0 +1,147 @@
+"""DASH on FSDP2 row shards (``ShardedDistributor``) in real gloo processes, without a trainer.
+
+Each rank asserts inside itself; the expectations are a float64 single-process DASH on
+the same global batches, the bytes of a single-process optimizer, and the bound the
+sharding promises.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_dash import DASH
+from lightning_dash.distributed import ShardedDistributor
+
+OPTIONS = dict(lr=0.05, block_size=8, precondition_frequency=2, start_preconditioning_step=2, weight_decay=0.01)
+BATCH = 12  # divisible by 1..4 ranks: the mean of the ranks' means is the global mean
+
+
+def network() -> nn.Sequential:
+    """Widths that do not divide by 3 or 4, blocks cut across the row shards, 1-D biases."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 19), nn.Tanh(), nn.Linear(19, 30), nn.Tanh(), nn.Linear(30, 5), nn.Tanh())
+
+
+def sharded(model: nn.Sequential) -> nn.Sequential:
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 7, generator=generator), torch.randn(BATCH, 5, generator=generator)) for _ in range(steps)
+    ]
+
+
+def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def block_state_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
+    """One block: two factors and two roots, momentum and grafting second moment, and its
+    scalars (validity flag, failure count, float64 factor scale)."""
+    return dtype_bytes * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols) + 1 + 4 + 8
+
+
+def _run(rank: int, world_size: int, init_file: str, check) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+    )
+    try:
+        check(rank, world_size)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(check, world_size: int, tmp_path) -> None:
+    mp.spawn(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size)
+
+
+def check_parity_and_memory(rank: int, world_size: int) -> None:
+    reference = network().double()
+    single = DASH(reference.parameters(), **OPTIONS)
+    model = sharded(network().double())
+    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    for x, y in batches(6):
+        x, y = x.double(), y.double()
+        single.zero_grad()
+        loss(reference, x, y).backward()
+        single.step()
+        optimizer.zero_grad()
+        loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+        optimizer.step()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert isinstance(param, DTensor)
+        torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9)
+
+    held = torch.tensor([optimizer.state_bytes()], dtype=torch.float64)
+    every = [torch.zeros_like(held) for _ in range(world_size)]
+    dist.all_gather(every, held)
+    every = [int(t.item()) for t in every]
+    # Each block and each element of a 1-D buffer is held by exactly one rank.
+    assert sum(every) == single.state_bytes()
+    largest = block_state_bytes(8, 8, 8)
+    assert max(every) <= 1.1 * sum(every) / world_size + largest
+    # Each step sent the planned rows in both directions (float64 here), nothing else.
+    distributor = optimizer.distributor
+    assert distributor.bytes_sent == 6 * distributor.elements_per_step * 8, (
+        distributor.bytes_sent,
+        distributor.elements_per_step,
+    )
+    assert (distributor.bytes_sent > 0) == (world_size > 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sharded_dash_equals_single_process_and_splits_its_state(tmp_path, world_size):
+    spawn(check_parity_and_memory, world_size, tmp_path)
+
+
+def check_bad_shard_skips_everywhere(rank: int, world_size: int) -> None:
+    model = sharded(network())
+    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    steps = batches(3)
+    for index, (x, y) in enumerate(steps):
+        optimizer.zero_grad()
+        loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+        if index == 1:
+            before = [p.full_tensor().clone() for p in model.parameters()]
+            if rank == world_size - 1:  # one rank's rows of one gradient go bad
+                model[2].weight.grad.to_local().view(-1)[0] = math.inf
+        optimizer.step()
+        if index == 1:
+            for param, previous in zip(model.parameters(), before):
+                assert torch.equal(param.full_tensor(), previous)
+    assert optimizer.nonfinite_grad_skips == 1
+    assert all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+
+
+def test_a_bad_gradient_shard_skips_the_step_on_every_rank(tmp_path):
+    spawn(check_bad_shard_skips_everywhere, 2, tmp_path)
+
+
+def check_plain_parameters_are_refused(rank: int, world_size: int) -> None:
+    model = network()
+    fully_shard(model[0])  # the other layers stay plain tensors
+    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    loss(model, *batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="not sharded"):
+        optimizer.step()
+
+
+def test_parameters_fsdp2_does_not_shard_are_named_in_an_error(tmp_path):
+    spawn(check_plain_parameters_are_refused, 2, tmp_path)

@@ -303,8 +303,8 @@ class DashStateDict(torch.optim.Optimizer):
                 for key, entry in state_dict.get("state", {}).items()
             },
         }
-        check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
         check_same_layout(state_dict, {name: getattr(self, name) for name in LAYOUT_OPTIONS})
+        check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
         check_same_names(state_dict, self.param_groups)
         self.roots.discard()
         state_dict = dict(state_dict)

@@ -214,3 +214,44 @@ class DDPChecked(LMModule):
         for name, param in self.model.named_parameters():
             expected = self.reference[step - 1][name]
             assert (param.detach() - expected).norm() <= 1e-4 * (expected - start[name].detach()).norm() + 1e-6, name
+
+
+class TrafficChecked(LMModule):
+    """bf16 autocast: the loss is checked finite and the exchange's bytes against its plan."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        assert torch.isfinite(outputs["loss"])
+        distributor = self.trainer.optimizers[0].distributor
+        stats = self.trainer.strategy.comm_stats
+        # float32 gradient rows to the owners and float32 update rows back, every step
+        assert stats.optimizer_bytes_sent == 4 * distributor.elements_per_step * self.trainer.global_step > 0
+        assert stats.steps == self.trainer.global_step
+
+
+def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_dash.callbacks import DashMonitor
+
+    strategy = DashFSDPStrategy(start_method="spawn", **DASH_OPTIONS)
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=3,
+        precision="bf16-mixed",
+        logger=CSVLogger(tmp_path),
+        callbacks=[DashMonitor(logging_interval=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    run.fit(TrafficChecked(reference_file))
+    lines = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    exchange = [float(row.split(",")[header.index("dash/optimizer_bytes_sent_per_step")]) for row in lines[1:]]
+    fsdp = [float(row.split(",")[header.index("dash/grad_sync_bytes_sent_per_step")]) for row in lines[1:]]
+    assert len(exchange) == 3 and len(set(exchange)) == 1 and exchange[0] > 0
+    # FSDP2 on rank 0: 3 (W - 1) x its float32 rows of every parameter (ceil(rows / 2) each).
+    shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in TinyLM().parameters())
+    assert fsdp == [3 * shard] * 3

@@ -255,3 +255,12 @@ def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
     # FSDP2 on rank 0: 3 (W - 1) x its float32 rows of every parameter (ceil(rows / 2) each).
     shard = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in TinyLM().parameters())
     assert fsdp == [3 * shard] * 3
+
+
+def test_resuming_with_another_block_size_names_it(reference_file, tmp_path):
+    checkpoint = tmp_path / "half.ckpt"
+    trainer(2, 2, tmp_path).fit(LMModule(reference_file, str(checkpoint)))
+    release_process_group()
+    other = DashFSDPStrategy(start_method="spawn", **{**DASH_OPTIONS, "block_size": 16})
+    with pytest.raises(Exception, match="written with block_size=8 and this optimizer has block_size=16"):
+        trainer(2, 4, tmp_path, strategy=other).fit(LMModule(reference_file), ckpt_path=checkpoint)

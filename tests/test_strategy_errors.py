@@ -106,6 +106,11 @@ def test_ddp_options_are_still_taken():
     assert strategy.conversion.overrides == {"block_size": 8}
 
 
+def test_sharding_options_left_at_none_are_not_refused():
+    # LightningCLI passes every DDP argument, DistributedDataParallel's mixed_precision and device_mesh as None.
+    assert DashStrategy(mixed_precision=None, device_mesh=None).conversion.overrides == {}
+
+
 # Parameters without gradients (find_unused_parameters)
 
 

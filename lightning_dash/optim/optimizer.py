@@ -228,7 +228,9 @@ class DASH(DashStateDict):
         layout = self.__dict__.get("_layout")
         if layout is None:
             return
-        for index, entry in export_layout(layout, self.block_size).items():
+        # Sharded parameters: per-tile entries, so no rank builds a whole parameter-shaped buffer.
+        tiles = self._distributor.shards_parameters
+        for index, entry in export_layout(layout, self.block_size, tiles=tiles).items():
             self.state[layout.params[index]].update(entry)
         self._layout = None
 

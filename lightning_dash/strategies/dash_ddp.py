@@ -61,7 +61,8 @@ SHARDING_OPTIONS = frozenset(
 def _check_ddp_options(options: dict[str, Any]) -> None:
     """Refuse a sharding keyword (pointing to the FSDP strategy) and a keyword that neither DASH, DDPStrategy
     nor DistributedDataParallel takes: either would otherwise fail only when the model is wrapped, unrelatedly."""
-    sharding = sorted(SHARDING_OPTIONS.intersection(options))
+    # A value of None is DDP's "not given" (LightningCLI passes every DDP argument so).
+    sharding = sorted(name for name in SHARDING_OPTIONS.intersection(options) if options[name] is not None)
     if sharding:
         raise ValueError(
             f"DashStrategy is data parallel and does not shard; {sharding} are options of sharded training: "

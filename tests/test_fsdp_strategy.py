@@ -8,14 +8,13 @@ same global batches, computed here without Lightning or FSDP.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from test_strategy import clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -137,19 +136,6 @@ class LMModule(pl.LightningModule):
     def on_train_end(self):
         if self.checkpoint_path:
             self.trainer.save_checkpoint(self.checkpoint_path)
-
-
-def release_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for variable in ("MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(variable, None)
-
-
-@pytest.fixture(autouse=True)
-def clean_process_group():
-    yield
-    release_process_group()
 
 
 def trainer(devices: int, steps: int, root: Path, strategy: pl.strategies.Strategy | None = None, **kwargs):

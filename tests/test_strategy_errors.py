@@ -19,18 +19,19 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from pytorch_lightning.demos.boring_classes import BoringModel as StandaloneBoringModel
-from test_strategy import DASH_OPTIONS, ParityModule, reference_trajectory, release_process_group, trainer
+from test_strategy import (  # noqa: F401 (clean_process_group: an autouse fixture)
+    DASH_OPTIONS,
+    ParityModule,
+    clean_process_group,
+    reference_trajectory,
+    release_process_group,
+    trainer,
+)
 from torch import nn
 
 import lightning_dash
 from lightning_dash import DASH, DashStrategy
 from lightning_dash.strategies.namespaces import register_strategies, standalone_module
-
-
-@pytest.fixture(autouse=True)
-def clean_process_group():
-    yield
-    release_process_group()
 
 
 def parameters(module: nn.Module) -> list[torch.Tensor]:

@@ -25,8 +25,8 @@ from test_fsdp_strategy import (
     global_batch,
     lm_loss,
     reference_trajectory,
-    release_process_group,
 )
+from test_strategy import clean_process_group  # noqa: F401 (an autouse fixture)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -34,12 +34,6 @@ from lightning_dash import DASH, DashFabricFSDPStrategy, DashFabricStrategy
 
 #: A collective that does not complete fails the test after this long instead of Fabric's 30 minutes.
 TIMEOUT = timedelta(seconds=120)
-
-
-@pytest.fixture(autouse=True)
-def clean_process_group():
-    yield
-    release_process_group()
 
 
 @pytest.fixture(scope="module")

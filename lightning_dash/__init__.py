@@ -4,8 +4,12 @@
 registers ``strategy="dash"`` (and ``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``,
 each also ``..._find_unused_parameters_true``/``_false``) in every installed Lightning
 namespace (``lightning.pytorch`` and ``pytorch_lightning``), and ``strategy="dash_fsdp"``
-(FSDP2, with ``"dash_fsdp_spawn"`` and ``"dash_fsdp_fork"``); with ``lightning`` installed it
-also exports ``DashStrategy`` and ``DashFSDPStrategy``.
+(FSDP2, with ``"dash_fsdp_spawn"`` and ``"dash_fsdp_fork"``); the same names, for Fabric's launchers
+(``"dash"``, ``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``,
+``"dash_find_unused_parameters_true"``, ``"dash_fsdp"``, ``"dash_fsdp_spawn"``, ``"dash_fsdp_fork"``),
+go in every installed Fabric namespace (``lightning.fabric`` and ``lightning_fabric``). With
+``lightning`` installed it also exports ``DashStrategy`` and ``DashFSDPStrategy`` (Trainer) and
+``DashFabricStrategy`` and ``DashFabricFSDPStrategy`` (Fabric).
 The Composer integration lives in :mod:`lightning_dash.composer`.
 """
 
@@ -20,6 +24,7 @@ __version__ = "0.3.0"
 
 register_strategies()  # imports no Lightning namespace that is not installed
 if find_spec("lightning") is not None:
+    from lightning_dash.fabric import DashFabricFSDPStrategy, DashFabricStrategy
     from lightning_dash.strategies import DashFSDPStrategy, DashStrategy
 
-    __all__ += ["DashFSDPStrategy", "DashStrategy"]
+    __all__ += ["DashFabricFSDPStrategy", "DashFabricStrategy", "DashFSDPStrategy", "DashStrategy"]

@@ -8,6 +8,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -142,3 +144,47 @@ def test_data_module_gives_the_same_batches_for_every_run():
         torch.equal(a, b)
         for a, b in zip(next(iter(loaders[0].val_dataloader())), next(iter(loaders[1].val_dataloader())))
     )
+
+
+FABRIC_TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--context", "32", "--batch-size", "4"]
+
+
+def run_script(name: str, *args: str) -> str:
+    """Run an example as a script (Fabric's launcher re-runs it for each other rank); return its output."""
+    command = [sys.executable, str(EXAMPLES / f"{name}.py"), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def logged_steps(output: str) -> list[int]:
+    return [int(line.split()[1]) for line in output.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "tiny",
+        pytest.param(
+            "litgpt",
+            marks=pytest.mark.skipif(importlib.util.find_spec("litgpt") is None, reason="LitGPT is not installed"),
+        ),
+    ],
+)
+def test_fabric_gpt_trains_with_dash_fsdp_on_two_processes_and_resumes_on_one(tmp_path, model):
+    checkpoint = tmp_path / "checkpoint"
+    settings = ["--model", model, *FABRIC_TINY, "--max-bytes", "200000"]
+    first = run_script("fabric_gpt", *settings, "--steps", "4", "--save", str(checkpoint))
+    assert "DASH on 2 processes, DTensor parameters" in first
+    assert logged_steps(first) == [1, 2, 3, 4] and "validation loss" in first
+    assert (checkpoint / "meta.pt").is_file() and len(list(checkpoint.glob("*.distcp"))) == 2
+    second = run_script("fabric_gpt", *settings, "--steps", "6", "--devices", "1", "--resume", str(checkpoint))
+    assert "DASH on 1 process, DTensor parameters" in second
+    assert logged_steps(second) == [5, 6]
+
+
+def test_fabric_gpt_without_litgpt_says_so_and_stops(capsys, monkeypatch):
+    module = example("fabric_gpt")
+    monkeypatch.setattr(module, "find_spec", lambda name: None)
+    assert module.main([]) is None
+    assert "LitGPT is not installed (pip install litgpt)" in capsys.readouterr().out

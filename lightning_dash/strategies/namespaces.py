@@ -45,7 +45,10 @@ TRAINER_STRATEGY_MODULES: tuple[str, ...] = (
     "lightning_dash.strategies.dash_fsdp",
 )
 #: Our Lightning Fabric strategy modules, written against ``lightning.fabric``. Add new ones here.
-FABRIC_STRATEGY_MODULES: tuple[str, ...] = ()
+FABRIC_STRATEGY_MODULES: tuple[str, ...] = (
+    "lightning_dash.fabric.fabric_ddp",
+    "lightning_dash.fabric.fabric_fsdp",
+)
 
 #: How a standalone package renames the unified package's modules.
 _STANDALONE_NAMES = {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}

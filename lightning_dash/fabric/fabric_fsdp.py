@@ -1,0 +1,321 @@
+"""``Fabric(strategy="dash_fsdp")``: FSDP2-sharded models with DASH blocks owned across ranks."""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.load import _move_state_into
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dash.distributed.sharded import check_row_sharded
+from lightning_dash.fabric.optimizers import (
+    ParameterNames,
+    convert,
+    parameter_names,
+    rebind_scheduler,
+    replace_parameters,
+    whole_state,
+)
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.sharded_checkpoint import (
+    METADATA_FILE,
+    checkpoint_state,
+    is_distributed_checkpoint,
+    load_model,
+    load_optimizer,
+    name_parameters,
+)
+from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.optim.layout import param_names
+from lightning_dash.optim.validation import check_choice
+from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_units
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+#: Our registry names and their launchers.
+REGISTRY_NAMES = (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork"))
+
+
+def shard_model(module: Module, mesh: DeviceMesh, classes: Collection[type[Module]] | None = None) -> None:
+    """``fully_shard`` each unit of :func:`~lightning_dash.strategies.fsdp_sharding.shard_units`
+    (the children of every ``nn.ModuleList``, or the instances of ``classes``), then
+    ``module`` itself: Fabric calls the module it set up, so its root is the model (the
+    Trainer's :func:`~lightning_dash.strategies.fsdp_sharding.shard_module` shards the
+    children of a LightningModule instead). Weights tied across the root's children stay tied."""
+    for unit in shard_units(module, classes):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+class ParallelizeForDash:
+    """The strategy's ``parallelize_fn``: the user's (if any), then :func:`shard_model` over
+    the data-parallel mesh when nothing is sharded yet. A class, so that spawned ranks
+    unpickle it."""
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[Module, DeviceMesh], Module] | None = None,
+        shard_modules: Collection[type[Module]] | None = None,
+    ) -> None:
+        self.parallelize_fn = parallelize_fn
+        self.shard_modules = tuple(shard_modules) if shard_modules else None
+
+    def __call__(self, module: Module, device_mesh: DeviceMesh) -> Module:
+        if self.parallelize_fn is not None:
+            module = self.parallelize_fn(module, device_mesh)
+        if isinstance(module, Module) and not is_sharded(module):
+            shard_model(module, device_mesh["data_parallel"], self.shard_modules)
+        return module
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse a keyword neither DASH nor ModelParallelStrategy takes, and tensor parallelism."""
+    known = set(inspect.signature(ModelParallelStrategy.__init__).parameters) - {"self", "parallelize_fn"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"DashFabricFSDPStrategy got unknown option(s) {unknown}; it takes {sorted(known)} "
+            f"and the DASH options {sorted(OPTION_NAMES)}"
+        )
+    if options.get("tensor_parallel_size", 1) != 1:
+        raise ValueError(
+            f"tensor_parallel_size={options['tensor_parallel_size']!r}: DashFabricFSDPStrategy shards by data "
+            "parallelism alone (tensor_parallel_size=1)"
+        )
+
+
+def _sharded_module(state: dict[str, Any]) -> tuple[str, Module]:
+    """The one sharded model in a checkpoint's ``state``, and its key."""
+    found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and is_sharded(obj)]
+    if len(found) != 1:
+        raise ValueError(
+            f"a checkpoint of strategy 'dash_fsdp' holds exactly one model set up by Fabric (found {len(found)}): "
+            "pass it in the state, e.g. {'model': model, 'optimizer': optimizer, ...}"
+        )
+    return found[0]
+
+
+class DashFabricFSDPStrategy(ModelParallelStrategy):
+    """Fabric's FSDP2 strategy (``ModelParallelStrategy``) whose optimizers are DASH,
+    each Shampoo block owned by one rank.
+
+    ``fabric.setup_module(model)`` (or ``fabric.setup(model, ...)``) shards the model over
+    the data-parallel mesh (all ranks): ``parallelize_fn`` if given, else every child of
+    each ``nn.ModuleList`` (or each instance of ``shard_modules``) and then the root. The
+    optimizers (``fabric.setup(model, optimizer)`` or ``fabric.setup_optimizers``) are
+    converted as under ``strategy="dash"``. An optimizer created before the model was set
+    up holds the parameters FSDP2 replaced: they are swapped, by name, for the sharded
+    ones (Fabric's own ``ModelParallelStrategy`` leaves them, and the optimizer then
+    updates tensors the model no longer uses). The result equals single-process DASH on
+    the global batch at any world size.
+
+    ``fabric.save`` writes a distributed checkpoint folder (default; each rank its
+    parameter shards and its DASH blocks) or, with ``save_distributed_checkpoint=False``,
+    one file with the whole model and DASH state; either holds DASH's state keyed by
+    parameter name and block, so ``fabric.load`` resumes it at any world size, and under
+    ``strategy="dash"`` too.
+
+    Args:
+        parallelize_fn: shards (or otherwise parallelises) the model, given it and the
+            device mesh, as for Fabric's ``ModelParallelStrategy``; by default the model is
+            sharded as described above.
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`.
+        DashConfig options: every DASH option by keyword (in the generated signature).
+        factor_decay: ``betas[1]`` of DASH.
+        allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
+        communication_dtype: dtype of the update rows sent back to the ranks holding them.
+        shard_modules: module classes that become FSDP2 units (default: the children of
+            every ``nn.ModuleList``).
+        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
+        **kwargs: passed on to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``); ``data_parallel_size`` defaults to the world
+            size and ``tensor_parallel_size`` can only be 1.
+    """
+
+    @accepts_dash_options
+    def __init__(
+        self,
+        parallelize_fn: Callable[[Module, DeviceMesh], Module] | None = None,
+        *,
+        config: DashConfig | None = None,
+        factor_decay: float | None = None,
+        allow_custom_step: bool | None = None,
+        communication_dtype: torch.dtype | str = torch.float32,
+        shard_modules: Collection[type[Module]] | None = None,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        options = take_dash_options(kwargs)
+        _check_options(kwargs)
+        kwargs.setdefault("data_parallel_size", "auto")
+        kwargs["tensor_parallel_size"] = 1
+        super().__init__(parallelize_fn=ParallelizeForDash(parallelize_fn, shard_modules), **kwargs)
+        #: How the user's optimizers become DASH.
+        self.conversion = ConversionOptions.build(
+            config,
+            factor_decay=factor_decay,
+            allow_custom_step=allow_custom_step,
+            communication_dtype=communication_dtype,
+            **options,
+        )
+        self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
+        #: Each module set up, with the names its parameters had before sharding.
+        self._set_up: list[tuple[ParameterNames, Module]] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"dash_fsdp"`` and its launcher variants; a name already registered is kept."""
+        for name, start_method in REGISTRY_NAMES:
+            if name not in strategy_registry:
+                description = f"FSDP2 with DASH (block-owned Shampoo), {start_method} launcher"
+                strategy_registry.register(name, cls, description=description, start_method=start_method)
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.start_method == "popen":
+            super()._configure_launcher()
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        before = parameter_names(module)
+        module = super().setup_module(module)
+        self._set_up.append((before, module))
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        module, converted, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+        for old, new in zip(optimizers, converted):
+            rebind_scheduler(scheduler, old, new)
+        return module, converted, scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        for before, module in self._set_up:
+            replace_parameters(optimizer, before, module)
+        named = next((module for _, module in reversed(self._set_up) if name_parameters(optimizer, module)), None)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = param_names(optimizer.param_groups) if named is not None else None
+        check_row_sharded(params, names, dist.get_world_size() if dist.is_initialized() else 1)
+        return convert(self.conversion, optimizer, sharded_parameters=True)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, DASH):
+            return whole_state(optimizer)
+        return super().get_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """As Fabric's ``ModelParallelStrategy``, with each DASH's state in its world-size-free
+        form: this rank's share in a distributed checkpoint, the whole of it in a single file."""
+        if not any(isinstance(obj, DASH) for obj in state.values()):
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        distributed = self._save_distributed_checkpoint
+        if filter is not None and distributed:
+            raise NotImplementedError("filtered distributed checkpoints cannot be loaded, so they are not saved")
+        path = Path(self.broadcast(path))
+        _sharded_module(state)  # exactly one model, as Fabric requires
+        options = StateDictOptions(full_state_dict=not distributed, cpu_offload=True)
+        contents: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
+        for key, obj in state.items():  # the same order on every rank: some of these are collective
+            if isinstance(obj, Module):
+                converted, target = get_model_state_dict(obj, options=options), contents
+            elif isinstance(obj, DASH):
+                converted, target = checkpoint_state(obj, True) if distributed else whole_state(obj), contents
+            elif isinstance(obj, Optimizer):
+                raise TypeError(
+                    f"state[{key!r}] is a {type(obj).__name__} that was not set up by Fabric: strategy 'dash_fsdp' "
+                    "saves the DASH optimizers it set up"
+                )
+            else:
+                converted, target = obj.state_dict() if isinstance(obj, _Stateful) else obj, metadata
+            _apply_filter(key, filter or {}, converted, target)
+        if self.global_rank == 0:
+            if distributed and path.is_file():
+                path.unlink()
+            elif not distributed and is_distributed_checkpoint(path):
+                shutil.rmtree(path)
+            elif not distributed and path.is_dir():
+                raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+        self.barrier()
+        if distributed:
+            path.mkdir(parents=True, exist_ok=True)
+            dcp.save(contents, checkpoint_id=path)
+            if self.global_rank == 0:
+                torch.save(metadata, path / METADATA_FILE)
+        elif self.global_rank == 0:
+            torch.save({**contents, **metadata}, path)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """As Fabric's ``ModelParallelStrategy``, with DASH's state read for the current world
+        size: from a distributed checkpoint each rank reads only its blocks."""
+        if not isinstance(state, dict) or not any(isinstance(obj, DASH) for obj in state.values()):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        path = Path(self.broadcast(path))
+        key, module = _sharded_module(state)
+        rest = load_model(module, path, key, strict, weights_only)
+        optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
+        for name, optimizer in optimizers.items():
+            if not isinstance(optimizer, DASH):
+                raise TypeError(f"state[{name!r}] is a {type(optimizer).__name__} that was not set up by Fabric")
+            if is_distributed_checkpoint(path):
+                load_optimizer(optimizer, path, name)
+            elif name in rest:
+                optimizer.load_state_dict(rest.pop(name))
+            elif strict:
+                raise KeyError(f"the checkpoint at {path} holds no optimizer state under {name!r}")
+        requested = state.keys() - {key} - optimizers.keys()
+        _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+        _move_state_into(source=rest, destination=state, keys=requested)
+        return rest
+
+
+def register_strategies(registry: _StrategyRegistry) -> None:
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    DashFabricFSDPStrategy.register_strategies(registry)

@@ -1,0 +1,133 @@
+"""What both Fabric strategies do with the user's optimizers, without importing Lightning.
+
+The strategy modules are copied, renamed, for the standalone ``lightning_fabric`` package
+(:mod:`lightning_dash.strategies.namespaces`); this module is not renamed, so it imports
+no Lightning namespace.
+
+* :func:`convert` turns the optimizer given to ``fabric.setup`` into DASH over the same
+  parameter-group dictionaries, so a learning-rate scheduler attached to the old
+  optimizer keeps editing the learning rates DASH reads, also after a checkpoint is loaded.
+* :func:`whole_state` consolidates a DASH state collectively, once, whether or not
+  ``collective_state_dict`` is set.
+* :func:`parameter_names` and :func:`replace_parameters` let an optimizer built before
+  FSDP2's ``fully_shard`` (which puts new DTensor parameters in the module) step the
+  sharded parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import wraps
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_dash.integration.options import ConversionOptions
+from lightning_dash.optim import DASH
+
+#: A module's parameters by identity, each with a weak reference (an id alone may be reused) and its name.
+ParameterNames = dict[int, tuple[weakref.ref, str]]
+
+
+def follow_steps(dash: Optimizer, source: Optimizer) -> None:
+    """Make every ``dash.step()`` mark ``dash`` and ``source`` (the optimizer it was
+    converted from) as stepped, the way torch's learning-rate schedulers check it
+    (``_opt_called``), so that a scheduler attached to either never warns that it
+    stepped before the optimizer did."""
+    owner, original = weakref.ref(dash), weakref.ref(source)
+    function = type(dash).step
+
+    @wraps(function)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        target = owner()
+        for optimizer in (target, original()):
+            if optimizer is not None:
+                optimizer._opt_called = True  # type: ignore[union-attr]
+        return function(target, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    dash.step = step  # type: ignore[method-assign]
+
+
+def keep_groups_on_load(dash: Optimizer) -> None:
+    """Make ``dash.load_state_dict`` keep the parameter-group dictionaries it was built
+    over: torch's puts new ones in their place, which the optimizer ``dash`` was converted
+    from (and the schedulers attached to it) would no longer see. The loaded values are
+    moved into the old dictionaries, which are put back."""
+    owner = weakref.ref(dash)
+    function = type(dash).load_state_dict
+
+    @wraps(function)
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        target = owner()
+        groups = list(target.param_groups)  # type: ignore[union-attr]
+        function(target, state_dict)
+        for index, (kept, loaded) in enumerate(zip(groups, target.param_groups)):  # type: ignore[union-attr]
+            if kept is not loaded:
+                kept.clear()
+                kept.update(loaded)
+                target.param_groups[index] = kept  # type: ignore[union-attr]
+
+    dash.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+
+def convert(conversion: ConversionOptions, optimizer: Optimizer, *, sharded_parameters: bool = False) -> DASH:
+    """``optimizer`` as DASH with its blocks owned across the ranks (a DASH is kept as it is),
+    sharing its parameter-group dictionaries for good (see :func:`follow_steps` and
+    :func:`keep_groups_on_load`), so a scheduler attached to ``optimizer`` keeps driving it."""
+    dash = conversion.convert(optimizer, sharded_parameters=sharded_parameters)
+    if dash is not optimizer:
+        follow_steps(dash, optimizer)
+        keep_groups_on_load(dash)
+    return dash
+
+
+def rebind_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
+    """Point ``scheduler`` (the one given to ``fabric.setup``) at ``new`` if it drove ``old``."""
+    if new is not old and getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+
+
+def whole_state(optimizer: DASH) -> dict[str, Any]:
+    """``optimizer``'s whole state dict on its rank 0, ``{}`` on the other ranks. Collective.
+
+    Fabric's own rule ("``consolidate_state_dict()`` on every rank, then ``state_dict()``
+    on rank 0") hangs with ``collective_state_dict=True``: ``state_dict()`` then
+    consolidates by itself, so rank 0 waits alone in a second gather. Here every rank
+    consolidates exactly once either way."""
+    first = optimizer.distributor.rank == 0
+    if optimizer.collective_state_dict:
+        state = optimizer.state_dict()  # consolidates, on every rank
+    else:
+        optimizer.consolidate_state_dict()
+        state = optimizer.state_dict() if first else {}
+    return state if first else {}
+
+
+def parameter_names(module: nn.Module) -> ParameterNames:
+    """``module``'s parameters by identity, with their names (the first one of a tied parameter)."""
+    return {id(param): (weakref.ref(param), name) for name, param in module.named_parameters()}
+
+
+def replace_parameters(optimizer: Optimizer, before: ParameterNames, module: nn.Module) -> int:
+    """Put in ``optimizer``'s groups, in place of each parameter that ``module`` held under
+    a name (``before``, taken before sharding), the parameter ``module`` holds under that
+    name now; returns how many were replaced. An optimizer with state for a replaced
+    parameter (it stepped before the model was set up) is refused: that state is not sharded."""
+    current = dict(module.named_parameters(remove_duplicate=False))
+    replaced = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for index, param in enumerate(params):
+            reference, name = before.get(id(param), (None, ""))
+            if reference is None or reference() is not param or current.get(name, param) is param:
+                continue
+            if optimizer.state.get(param):
+                raise ValueError(
+                    f"the optimizer holds state for {name!r}, a parameter that sharding replaced: set up the "
+                    "model and optimizer before the optimizer steps"
+                )
+            params[index] = current[name]
+            replaced += 1
+    return replaced

@@ -89,3 +89,14 @@ def test_a_checkpoint_of_another_model_is_named():
     other = DASH(renamed, **OPTIONS)
     with pytest.raises(ValueError, match="'0.weight' in the checkpoint and 'encoder.0.weight' here"):
         other.load_state_dict(saved.sharded_state_dict())
+
+
+def test_a_scheduler_of_the_converted_optimizer_keeps_driving_dash_after_a_load():
+    network, saved = trained()
+    adamw = torch.optim.AdamW(network.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)  # stays on the AdamW
+    dash = DASH.from_optimizer(adamw, block_size=4, precondition_frequency=2, start_preconditioning_step=2)
+    dash.load_state_dict(saved.state_dict())
+    assert dash.param_groups[0]["lr"] == OPTIONS["lr"]  # the checkpoint's
+    scheduler.step()
+    assert dash.param_groups[0]["lr"] == OPTIONS["lr"] * 0.5

@@ -6,7 +6,8 @@ no Lightning namespace.
 
 * :func:`convert` turns the optimizer given to ``fabric.setup`` into DASH over the same
   parameter-group dictionaries, so a learning-rate scheduler attached to the old
-  optimizer keeps editing the learning rates DASH reads, also after a checkpoint is loaded.
+  optimizer keeps editing the learning rates DASH reads (``DASH.load_state_dict`` keeps
+  those dictionaries).
 * :func:`whole_state` consolidates a DASH state collectively, once, whether or not
   ``collective_state_dict`` is set.
 * :func:`parameter_names` and :func:`replace_parameters` let an optimizer built before
@@ -17,7 +18,6 @@ no Lightning namespace.
 from __future__ import annotations
 
 import weakref
-from functools import wraps
 from typing import Any
 
 from torch import nn
@@ -25,61 +25,19 @@ from torch.optim import Optimizer
 
 from lightning_dash.integration.options import ConversionOptions
 from lightning_dash.optim import DASH
+from lightning_dash.strategies.optimizer_swap import track_scheduler_calls
 
 #: A module's parameters by identity, each with a weak reference (an id alone may be reused) and its name.
 ParameterNames = dict[int, tuple[weakref.ref, str]]
 
 
-def follow_steps(dash: Optimizer, source: Optimizer) -> None:
-    """Make every ``dash.step()`` mark ``dash`` and ``source`` (the optimizer it was
-    converted from) as stepped, the way torch's learning-rate schedulers check it
-    (``_opt_called``), so that a scheduler attached to either never warns that it
-    stepped before the optimizer did."""
-    owner, original = weakref.ref(dash), weakref.ref(source)
-    function = type(dash).step
-
-    @wraps(function)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        target = owner()
-        for optimizer in (target, original()):
-            if optimizer is not None:
-                optimizer._opt_called = True  # type: ignore[union-attr]
-        return function(target, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    dash.step = step  # type: ignore[method-assign]
-
-
-def keep_groups_on_load(dash: Optimizer) -> None:
-    """Make ``dash.load_state_dict`` keep the parameter-group dictionaries it was built
-    over: torch's puts new ones in their place, which the optimizer ``dash`` was converted
-    from (and the schedulers attached to it) would no longer see. The loaded values are
-    moved into the old dictionaries, which are put back."""
-    owner = weakref.ref(dash)
-    function = type(dash).load_state_dict
-
-    @wraps(function)
-    def load_state_dict(state_dict: dict[str, Any]) -> None:
-        target = owner()
-        groups = list(target.param_groups)  # type: ignore[union-attr]
-        function(target, state_dict)
-        for index, (kept, loaded) in enumerate(zip(groups, target.param_groups)):  # type: ignore[union-attr]
-            if kept is not loaded:
-                kept.clear()
-                kept.update(loaded)
-                target.param_groups[index] = kept  # type: ignore[union-attr]
-
-    dash.load_state_dict = load_state_dict  # type: ignore[method-assign]
-
-
 def convert(conversion: ConversionOptions, optimizer: Optimizer, *, sharded_parameters: bool = False) -> DASH:
     """``optimizer`` as DASH with its blocks owned across the ranks (a DASH is kept as it is),
-    sharing its parameter-group dictionaries for good (see :func:`follow_steps` and
-    :func:`keep_groups_on_load`), so a scheduler attached to ``optimizer`` keeps driving it."""
+    sharing its parameter-group dictionaries (also after a checkpoint is loaded), so a
+    scheduler attached to ``optimizer`` keeps driving it, without warnings."""
     dash = conversion.convert(optimizer, sharded_parameters=sharded_parameters)
     if dash is not optimizer:
-        follow_steps(dash, optimizer)
-        keep_groups_on_load(dash)
+        track_scheduler_calls(dash, source=optimizer)
     return dash
 
 

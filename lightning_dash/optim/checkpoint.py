@@ -194,6 +194,18 @@ class DashStateDict(torch.optim.Optimizer):
     def _settle_roots(self, collective: bool) -> None:
         raise NotImplementedError
 
+    def owned_tiles(self) -> dict[str, list[tuple[int, int]]]:
+        """The blocks this process owns, as ``(i, j)`` tile positions per parameter name
+        (the keys of :meth:`sharded_state_dict`); plans the ownership if not done yet."""
+        layout = self._current_layout()
+        owned: dict[str, list[tuple[int, int]]] = {}
+        for stack in layout.stacks:
+            for region in stack.plan.regions:
+                for tile in region.single_tiles():
+                    position = (tile.row_start // self.block_size, tile.col_start // self.block_size)
+                    owned.setdefault(layout.names[tile.param_index], []).append(position)
+        return owned
+
     def _local_state(self, tiles: bool = False) -> dict[int, dict[str, Tensor]]:
         """This process's statistics keyed by state-dict position (copies). Replicated
         one-dimensional parameters come from rank 0 only; sharded ones from every rank
@@ -293,7 +305,9 @@ class DashStateDict(torch.optim.Optimizer):
         """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
 
         Tensors keep their saved dtype (statistics stay float32 for low-precision
-        parameters); the stacks are rebuilt at the next step.
+        parameters); the stacks are rebuilt at the next step. The parameter-group
+        dictionaries stay the same objects (their values are loaded into them), so an
+        optimizer DASH was converted from, and its schedulers, keep driving it.
         """
         local = self._distributor.local  # sharded one-dimensional buffers: this rank's part
         state_dict = {
@@ -312,7 +326,15 @@ class DashStateDict(torch.optim.Optimizer):
         extra = state_dict.pop("dash", {})
         self._layout = None
         self._consolidated = None
+        kept = list(self.param_groups)
         super().load_state_dict({**state_dict, "state": {}})
+        # torch puts new group dictionaries in place; the loaded values go into the old ones
+        # instead, which the optimizer DASH was converted from and its schedulers still edit.
+        for index, (old, loaded) in enumerate(zip(kept, self.param_groups)):
+            if old is not loaded:
+                old.clear()
+                old.update(loaded)
+                self.param_groups[index] = old
         self.state.clear()
         self.state.update(restore_entries(saved_state, state_dict["param_groups"], self._flat_params()))
         # torch.distributed.checkpoint keeps only "state" and "param_groups": without the

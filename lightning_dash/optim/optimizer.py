@@ -135,18 +135,6 @@ class DASH(DashStateDict):
         """Blocks whose statistics this process holds (0 before the first step)."""
         return owned_blocks(self._layout)
 
-    def owned_tiles(self) -> dict[str, list[tuple[int, int]]]:
-        """The blocks this process owns, as ``(i, j)`` tile positions per parameter name
-        (the keys of :meth:`sharded_state_dict`); plans the ownership if not done yet."""
-        layout = self._current_layout()
-        owned: dict[str, list[tuple[int, int]]] = {}
-        for stack in layout.stacks:
-            for region in stack.plan.regions:
-                for tile in region.single_tiles():
-                    position = (tile.row_start // self.block_size, tile.col_start // self.block_size)
-                    owned.setdefault(layout.names[tile.param_index], []).append(position)
-        return owned
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state this process holds: the statistics, roots and buffers
         of its blocks and its part of the one-dimensional parameters' buffers (0 before

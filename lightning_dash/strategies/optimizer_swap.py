@@ -17,18 +17,22 @@ from typing import Any
 from torch.optim import Optimizer
 
 
-def track_scheduler_calls(optimizer: Optimizer) -> None:
+def track_scheduler_calls(optimizer: Optimizer, source: Optimizer | None = None) -> None:
     """Mark ``optimizer.step`` the way torch's LR schedulers do, so a scheduler rebound
-    to it does not warn that ``optimizer.step()`` was overridden."""
+    to it does not warn that ``optimizer.step()`` was overridden; each step also marks
+    ``source`` (the optimizer it was converted from) as stepped, for a scheduler still
+    attached to that one."""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return
-    owner = weakref.ref(optimizer)
+    owners = [weakref.ref(optimizer)] + ([weakref.ref(source)] if source is not None else [])
     function = type(optimizer).step
 
     @wraps(function)
     def step(*args: Any, **kwargs: Any) -> Any:
-        target = owner()
-        target._opt_called = True  # type: ignore[union-attr]
+        target = owners[0]()
+        for owner in owners:
+            if (marked := owner()) is not None:
+                marked._opt_called = True
         return function(target, *args, **kwargs)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

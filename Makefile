@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[lightning,dev,bench]"
+	$(PY) -m pip install --quiet -e ".[lightning,dev,bench,examples]"
 	touch $@
 
 demo: $(VENV)/.installed

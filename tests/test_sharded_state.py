@@ -78,6 +78,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         fresh.load_state_dict(complete[0])
         fresh.consolidate_state_dict()
         states["after_load"] = fresh.state_dict() if rank == 0 else None
+        # Fabric's and Lightning's rule (consolidate on every rank, then state_dict() on rank 0
+        # alone) with collective_state_dict set must not consolidate a second time.
+        fresh.collective_state_dict = True
+        fresh.consolidate_state_dict()
+        states["rank_zero_rule"] = fresh.state_dict() if rank == 0 else None
         states["owned"] = owned
         torch.save(states, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -109,6 +114,7 @@ def test_consolidation_after_add_param_group_and_after_load(tmp_path: Path) -> N
     expected = _single_process_state()
     _assert_same_state(ranks[0]["after_add"], expected)
     _assert_same_state(ranks[0]["after_load"], expected)
+    _assert_same_state(ranks[0]["rank_zero_rule"], expected)
 
 
 def test_saved_step_count_is_a_copy() -> None:

@@ -285,7 +285,9 @@ class DashStateDict(torch.optim.Optimizer):
         self._settle_roots(collective=False)
         distributor = self._distributor
         sharded = distributor.world_size > 1
-        if sharded and self.collective_state_dict:
+        if sharded and self.collective_state_dict and self._consolidated is None:
+            # (Already consolidated on every rank, as Fabric and Lightning do before calling
+            # this on rank 0 alone: consolidating again would wait for the other ranks forever.)
             self.consolidate_state_dict()
             if distributor.rank != 0:
                 return super().state_dict()

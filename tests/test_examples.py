@@ -45,6 +45,12 @@ TINY = [
 ]
 
 
+#: What a Lightning launcher leaves in this process's environment (a one-device run sets
+#: LOCAL_RANK and NODE_RANK); inherited by a script, it would make Fabric believe its
+#: processes were already launched and wait for ranks that never come.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
+
+
 @pytest.fixture(autouse=True)
 def one_thread_and_release_process_group(monkeypatch):
     """Tiny models run fastest on one thread (and do not stall when the cores are shared);
@@ -57,7 +63,7 @@ def one_thread_and_release_process_group(monkeypatch):
     torch.set_num_threads(threads)
     if dist.is_initialized():
         dist.destroy_process_group()
-    for variable in ("MASTER_ADDR", "MASTER_PORT"):
+    for variable in LAUNCH_VARIABLES:
         os.environ.pop(variable, None)
 
 
@@ -152,7 +158,8 @@ FABRIC_TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--context", "32
 def run_script(name: str, *args: str) -> str:
     """Run an example as a script (Fabric's launcher re-runs it for each other rank); return its output."""
     command = [sys.executable, str(EXAMPLES / f"{name}.py"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    environment = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 

@@ -8,6 +8,7 @@ sharding promises.
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 
 import pytest
@@ -66,6 +67,11 @@ def _run(rank: int, world_size: int, init_file: str, check) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    # Every check passed and the group is gone: leave without interpreter finalisation. In one of
+    # this project's CI runs, tearing down after the group aborted a rank ("terminate called without
+    # an active exception", from native threads, after every check had passed); not reproduced in 8
+    # isolated runs.
+    os._exit(0)
 
 
 def spawn(check, world_size: int, tmp_path) -> None:

@@ -78,6 +78,30 @@ def spawn(check, world_size: int, tmp_path) -> None:
     mp.spawn(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size)
 
 
+def check_extreme_scales(rank: int, world_size: int) -> None:
+    """Losses scaled by 1e-30 and 1e20: the sharded run still equals the single-process one."""
+    for scale in (1e-30, 1e20):
+        reference = network().double()
+        single = DASH(reference.parameters(), **OPTIONS)
+        model = sharded(network().double())
+        optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+        for x, y in batches(4):
+            x, y = x.double(), y.double()
+            single.zero_grad()
+            (scale * loss(reference, x, y)).backward()
+            single.step()
+            optimizer.zero_grad()
+            (scale * loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank])).backward()
+            optimizer.step()
+        assert optimizer.nonfinite_grad_skips == 0 and optimizer.root_failure_count == 0
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_sharded_dash_at_extreme_gradient_scales(tmp_path):
+    spawn(check_extreme_scales, 2, tmp_path)
+
+
 def check_parity_and_memory(rank: int, world_size: int) -> None:
     reference = network().double()
     single = DASH(reference.parameters(), **OPTIONS)

@@ -18,7 +18,6 @@ from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -45,24 +44,13 @@ from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.layout import param_names
 from lightning_dash.optim.validation import check_choice
-from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_units
+from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_model
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
 
 #: Our registry names and their launchers.
 REGISTRY_NAMES = (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork"))
-
-
-def shard_model(module: Module, mesh: DeviceMesh, classes: Collection[type[Module]] | None = None) -> None:
-    """``fully_shard`` each unit of :func:`~lightning_dash.strategies.fsdp_sharding.shard_units`
-    (the children of every ``nn.ModuleList``, or the instances of ``classes``), then
-    ``module`` itself: Fabric calls the module it set up, so its root is the model (the
-    Trainer's :func:`~lightning_dash.strategies.fsdp_sharding.shard_module` shards the
-    children of a LightningModule instead). Weights tied across the root's children stay tied."""
-    for unit in shard_units(module, classes):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(module, mesh=mesh)
 
 
 class ParallelizeForDash:

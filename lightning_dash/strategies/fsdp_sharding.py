@@ -27,6 +27,18 @@ def shard_units(module: nn.Module, classes: Collection[type[nn.Module]] | None) 
     return sorted(found, key=lambda m: -order[id(m)])
 
 
+def shard_model(module: nn.Module, mesh: DeviceMesh | None, classes: Collection[type[nn.Module]] | None = None) -> None:
+    """``fully_shard`` each unit of :func:`shard_units` (the children of every
+    ``nn.ModuleList``, or the instances of ``classes``), then ``module`` itself: Fabric
+    calls the module it set up, so its root is the model (for a LightningModule,
+    :func:`shard_module` shards its children instead). Weights tied across the root's
+    children stay tied."""
+    options = {"mesh": mesh} if mesh is not None else {}
+    for unit in shard_units(module, classes):
+        fully_shard(unit, **options)
+    fully_shard(module, **options)
+
+
 def shard_module(
     module: nn.Module,
     mesh: DeviceMesh | None,

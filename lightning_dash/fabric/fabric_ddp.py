@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.fabric.optimizers import convert, rebind_scheduler, whole_state
+from lightning_dash.fabric.optimizers import SchedulerFollowsConversion, convert, whole_state
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
 from lightning_dash.optim import DASH, DashConfig
@@ -51,7 +51,7 @@ def _check_ddp_options(options: dict[str, Any]) -> None:
         raise TypeError(f"DashFabricStrategy got unknown option(s) {unknown}; DASH options: {sorted(OPTION_NAMES)}")
 
 
-class DashFabricStrategy(DDPStrategy):
+class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
     """Fabric's DDP whose optimizers are DASH, with each Shampoo block owned by one rank.
 
     The optimizers given to ``fabric.setup(model, optimizer, ...)`` or
@@ -108,15 +108,6 @@ class DashFabricStrategy(DDPStrategy):
             if name not in strategy_registry:
                 description = f"DDP with DASH (block-owned Shampoo), {settings['start_method']} launcher"
                 strategy_registry.register(name, cls, description=description, **settings)
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
-    ) -> tuple[Module, list[Optimizer], Any]:
-        module, converted, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
-        for old, new in zip(optimizers, converted):
-            rebind_scheduler(scheduler, old, new)
-        return module, converted, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

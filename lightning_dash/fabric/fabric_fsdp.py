@@ -25,9 +25,9 @@ from typing_extensions import override
 from lightning_dash.distributed.sharded import check_row_sharded
 from lightning_dash.fabric.optimizers import (
     ParameterNames,
+    SchedulerFollowsConversion,
     convert,
     parameter_names,
-    rebind_scheduler,
     replace_parameters,
     whole_state,
 )
@@ -101,7 +101,7 @@ def _sharded_module(state: dict[str, Any]) -> tuple[str, Module]:
     return found[0]
 
 
-class DashFabricFSDPStrategy(ModelParallelStrategy):
+class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
     """Fabric's FSDP2 strategy (``ModelParallelStrategy``) whose optimizers are DASH,
     each Shampoo block owned by one rank.
 
@@ -196,15 +196,6 @@ class DashFabricFSDPStrategy(ModelParallelStrategy):
         module = super().setup_module(module)
         self._set_up.append((before, module))
         return module
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
-    ) -> tuple[Module, list[Optimizer], Any]:
-        module, converted, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
-        for old, new in zip(optimizers, converted):
-            rebind_scheduler(scheduler, old, new)
-        return module, converted, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

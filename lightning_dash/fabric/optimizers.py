@@ -41,10 +41,20 @@ def convert(conversion: ConversionOptions, optimizer: Optimizer, *, sharded_para
     return dash
 
 
-def rebind_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
-    """Point ``scheduler`` (the one given to ``fabric.setup``) at ``new`` if it drove ``old``."""
-    if new is not old and getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
+class SchedulerFollowsConversion:
+    """Fabric strategy mixin (put it before the Fabric base class): the scheduler given to
+    ``fabric.setup(model, optimizer, scheduler=...)`` is pointed at the DASH its optimizer became."""
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        module, converted, scheduler = super().setup_module_and_optimizers(  # type: ignore[misc]
+            module, optimizers, scheduler
+        )
+        for old, new in zip(optimizers, converted):
+            if new is not old and getattr(scheduler, "optimizer", None) is old:
+                scheduler.optimizer = new
+        return module, converted, scheduler
 
 
 def whole_state(optimizer: DASH) -> dict[str, Any]:

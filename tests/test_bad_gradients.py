@@ -165,9 +165,12 @@ def test_eigh_failures_keep_the_roots_then_raise_before_anything_changes_and_rec
     state = optimizer.state_dict()["state"]
     assert optimizer.root_failure_count == 1 and torch.equal(state[0]["left_root_0_0"], roots)
     assert all(not torch.equal(p, b) for p, b in zip(params, before))  # the bias moved as well
+    step()  # second failure in a row reaches the limit: applied whole, previous roots kept
+    assert optimizer.root_failure_count == 2
+    assert torch.equal(optimizer.state_dict()["state"][0]["left_root_0_0"], roots)
     before, saved = snapshot(optimizer, params)
     with pytest.raises(RootComputationError, match="weight"):
-        step()  # second failure in a row: the error comes before anything is modified
+        step()  # the host reads the streak back at the next step and raises before it modifies anything
     after, resaved = snapshot(optimizer, params)
     assert all(torch.equal(p, b) for p, b in zip(after, before))
     for key, entry in saved.items():

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan
-from lightning_dash.optim.distributor import BlockUpdate
+from lightning_dash.optim.blocks import Region, StackPlan, add_stacks
+from lightning_dash.optim.distributor import BlockUpdate, masked
 from lightning_dash.optim.layout import stacks_by_placement
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, ROOT_FAILURES, ROOT_VALID
 
@@ -86,13 +86,16 @@ class GatheredUpdates:
     def tensors(self) -> list[Tensor]:
         return list(self.buffers)
 
-    def apply(self, params: list[Tensor]) -> None:
-        """Add every rank's block updates, in the same order on every rank."""
+    def apply(self, params: list[Tensor], skip: Tensor) -> None:
+        """Add every rank's block updates (none when ``skip`` is set), in one foreach call."""
+        updates = []
         for flat, plans, offsets in zip(self.buffers, self.exchange.plans, self.exchange.offsets):
+            flat = masked(flat, skip)
             for plan, offset in zip(plans, offsets):
                 rows, cols = plan.block_shape
                 window = flat[offset : offset + plan.num_blocks * rows * cols]
-                plan.add_to(params, window.view(plan.num_blocks, rows, cols))
+                updates.append((plan, window.view(plan.num_blocks, rows, cols)))
+        add_stacks(params, updates)
 
 
 def merge_rank_states(states: list[dict[int, dict[str, Tensor]]]) -> dict[int, dict[str, Tensor]]:

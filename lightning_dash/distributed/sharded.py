@@ -23,7 +23,7 @@ from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, plan_pieces, row_ranges
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
-from lightning_dash.optim.distributor import BlockUpdate
+from lightning_dash.optim.distributor import BlockUpdate, masked
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM
 
@@ -60,7 +60,8 @@ class _RowUpdates:
     def tensors(self) -> list[Tensor]:
         return [self.received]
 
-    def apply(self, params: list[Tensor]) -> None:
+    def apply(self, params: list[Tensor], skip: Tensor) -> None:
+        received = masked(self.received, skip)
         offset = 0
         for pieces in self.exchange.outgoing:
             for piece in pieces:
@@ -68,7 +69,7 @@ class _RowUpdates:
                 first = self.exchange.first_rows[piece.param_index]
                 matrix = local.view(local.shape[0], -1)
                 rows = slice(piece.rows[0] - first, piece.rows[1] - first)
-                update = self.received[offset : offset + piece.numel].view(piece.height, piece.width)
+                update = received[offset : offset + piece.numel].view(piece.height, piece.width)
                 matrix[rows, piece.cols[0] : piece.cols[1]].add_(update.to(local.dtype))
                 offset += piece.numel
 

@@ -57,6 +57,24 @@ class Region:
         ]
         return part.view(self.tile_rows, rows, self.tile_cols, cols)
 
+    def matrix_tiles(self, matrix: Tensor) -> list[Tensor]:
+        """This region's tiles of ``matrix`` as ``(tiles, rows, cols)`` views, one per row of
+        tiles (a single view when the region is one tile wide), in stack order."""
+        rows, cols = self.block_shape
+        window = matrix[
+            self.row_start : self.row_start + self.tile_rows * rows,
+            self.col_start : self.col_start + self.tile_cols * cols,
+        ]
+        if self.tile_cols == 1:
+            return [window.unflatten(0, (self.tile_rows, rows))]
+        grid = window.unflatten(1, (self.tile_cols, cols))
+        return [grid[row * rows : (row + 1) * rows].transpose(0, 1) for row in range(self.tile_rows)]
+
+    def stack_tiles(self, stack: Tensor) -> list[Tensor]:
+        """This region's slice of a stack, cut as :meth:`matrix_tiles` cuts the matrix."""
+        part = stack[self.stack_offset : self.stack_offset + self.num_blocks]
+        return [part] if self.tile_cols == 1 else list(part.split(self.tile_cols))
+
     def tiles(self, stack: Tensor) -> Tensor:
         """This region's slice of a stack, viewed as ``(tile_rows, rows, tile_cols, cols)``."""
         rows, cols = self.block_shape
@@ -112,27 +130,38 @@ class StackPlan:
         self, matrices: dict[int, Tensor], out: Tensor | None = None, dtype: torch.dtype = torch.float32
     ) -> Tensor:
         """Copy the tiles of ``matrices`` (param index -> matrix view) into one stack
-        (a new one in ``dtype`` unless ``out`` is given)."""
+        (a new one in ``dtype`` unless ``out`` is given), in one ``cat``."""
         rows, cols = self.block_shape
         if out is None:
             first = next(iter(matrices.values()))
             out = torch.empty(self.num_blocks, rows, cols, dtype=dtype, device=first.device)
-        for region in self.regions:
-            region.tiles(out).copy_(region.window(matrices[region.param_index]))
-        return out
+        tiles = [tile for region in self.regions for tile in region.matrix_tiles(matrices[region.param_index])]
+        return torch.cat(tiles, out=out)
 
     def add_to(self, params: list[Tensor], update: Tensor) -> None:
         """Add each region's tiles of the stacked ``update`` to its parameter (``params``
         indexed by the regions' ``param_index``)."""
-        for region in self.regions:
+        add_stacks(params, [(self, update)])
+
+
+def add_stacks(params: list[Tensor], updates: list[tuple[StackPlan, Tensor]]) -> None:
+    """Add every stacked update to its parameters' tiles: one foreach call for all of them
+    (parameters that are not contiguous take a dense copy each)."""
+    targets: list[Tensor] = []
+    sources: list[Tensor] = []
+    for plan, update in updates:
+        for region in plan.regions:
             param = params[region.param_index]
             shape = matrix_shape(param.shape)
             if param.is_contiguous():
-                region.window(param.view(shape)).add_(region.tiles(update))
+                targets += region.matrix_tiles(param.view(shape))
+                sources += region.stack_tiles(update)
             else:
                 dense = torch.zeros(shape, dtype=update.dtype, device=update.device)
                 region.window(dense).copy_(region.tiles(update))
                 param.add_(dense.view(param.shape))
+    if targets:
+        torch._foreach_add_(targets, sources)
 
 
 def stack_regions(regions: list[Region]) -> list[StackPlan]:

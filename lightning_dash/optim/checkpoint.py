@@ -323,6 +323,7 @@ class DashStateDict(torch.optim.Optimizer):
         check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
         check_same_names(state_dict, self.param_groups)
         self.roots.discard()
+        self._verdicts.discard()
         state_dict = dict(state_dict)
         saved_state = state_dict.pop("state")
         extra = state_dict.pop("dash", {})

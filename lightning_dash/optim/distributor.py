@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+from lightning_dash.optim.blocks import Region, StackPlan, add_stacks, matrix_shape
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
 
 
@@ -41,8 +41,9 @@ class SharedUpdates(Protocol):
         """Everything :meth:`apply` would add (checked for finiteness first, identically on every rank)."""
         ...
 
-    def apply(self, params: list[Tensor]) -> None:
-        """Add every update to its parameter (not collective)."""
+    def apply(self, params: list[Tensor], skip: Tensor) -> None:
+        """Add every update to its parameter, or nothing where the 0-d bool ``skip`` is
+        set (decided on the device; not collective)."""
         ...
 
 
@@ -111,6 +112,11 @@ class BlockDistributor(Protocol):
         ...
 
 
+def masked(update: Tensor, skip: Tensor) -> Tensor:
+    """``update``, or zero where the step is skipped (``skip``: a 0-d bool on its device)."""
+    return torch.where(skip, 0.0, update)
+
+
 @dataclass
 class _LocalUpdates:
     updates: list[BlockUpdate]
@@ -118,9 +124,8 @@ class _LocalUpdates:
     def tensors(self) -> list[Tensor]:
         return [item.update for item in self.updates]
 
-    def apply(self, params: list[Tensor]) -> None:
-        for item in self.updates:
-            item.plan.add_to(params, item.update)
+    def apply(self, params: list[Tensor], skip: Tensor) -> None:
+        add_stacks(params, [(item.plan, masked(item.update, skip)) for item in self.updates])
 
 
 def gather_gradients(plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:

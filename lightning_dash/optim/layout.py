@@ -11,13 +11,14 @@ per-parameter entries of ``optimizer.state``, and exported back to them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.host_values import upload
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, export_tiles, import_stack
 
 
@@ -53,6 +54,15 @@ class Stack:
 
     plan: StackPlan
     state: StackState
+    _subsets: dict[tuple[int, ...], tuple[StackPlan, Tensor]] = field(default_factory=dict, repr=False)
+
+    def subset(self, param_indices: tuple[int, ...]) -> tuple[StackPlan, Tensor]:
+        """The plan of the blocks of ``param_indices`` and their positions here, on the
+        state's device (kept: the same parameters tend to move together step after step)."""
+        if param_indices not in self._subsets:
+            plan, positions = self.plan.subset(set(param_indices))
+            self._subsets[param_indices] = (plan, upload(positions, torch.int64, self.state.left_factor.device))
+        return self._subsets[param_indices]
 
 
 @dataclass

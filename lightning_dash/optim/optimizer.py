@@ -12,21 +12,15 @@ from torch import Tensor
 from lightning_dash.optim.checkpoint import DashStateDict
 from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import converted_groups
-from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate, LocalDistributor
+from lightning_dash.optim.device_step import step_on_device
+from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
 from lightning_dash.optim.grafting import uses_second_moment
 from lightning_dash.optim.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
-from lightning_dash.optim.root_failures import count_root_failures, raise_on_streak
-from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
+from lightning_dash.optim.root_failures import failure_summary, raise_on_streak
+from lightning_dash.optim.root_refresh import FailureReport, RootRefresher, committed_streaks
 from lightning_dash.optim.roots import RootSettings
-from lightning_dash.optim.stack_update import (
-    UpdateRules,
-    active_params,
-    begin_stack,
-    decay_weights,
-    roots_due,
-    stack_direction,
-    vector_work,
-)
+from lightning_dash.optim.stack_update import UpdateRules, active_params, gradients_all_zero
+from lightning_dash.optim.step_verdict import StepVerdict, VerdictQueue
 
 
 class DASH(DashStateDict):
@@ -64,13 +58,9 @@ class DASH(DashStateDict):
             options["lr"] = lr
         self._config = DashConfig.build(config, **options)
         self._grafting = self._config.grafting
-        #: Blocks whose new roots were rejected (non-finite, or a residual above
-        #: :func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.
-        self.root_failure_count = 0
-        #: Steps skipped whole because some gradient was not finite.
-        self.nonfinite_grad_skips = 0
-        #: Steps skipped whole because some computed update was not finite.
-        self.nonfinite_update_skips = 0
+        self._counts = {"root_failure_count": 0, "nonfinite_grad_skips": 0, "nonfinite_update_skips": 0}
+        self._verdicts = VerdictQueue()
+        self._streak_at_limit: int | None = None  # a failure streak the next step raises on
         #: When True (and blocks are sharded), :meth:`state_dict` is collective: every rank
         #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
         #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
@@ -87,6 +77,29 @@ class DASH(DashStateDict):
         self._consolidated: dict[int, dict[str, Tensor]] | None = None
         defaults = self._config.group_defaults()
         super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ counters
+    # Each step's verdict reaches the host one step later; reading a counter collects it first.
+    def _counter(name: str, doc: str) -> property:  # noqa: N805 (a property factory used in the class body)
+        def read(self: DASH) -> int:
+            self._verdicts.collect()
+            return self._counts[name]
+
+        def write(self: DASH, value: int) -> None:
+            self._counts[name] = int(value)
+
+        return property(read, write, doc=doc)
+
+    root_failure_count = _counter(
+        "root_failure_count",
+        "Blocks whose new roots were rejected (non-finite, or a residual above "
+        ":func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.",
+    )
+    nonfinite_grad_skips = _counter("nonfinite_grad_skips", "Steps skipped whole because some gradient was not finite.")
+    nonfinite_update_skips = _counter(
+        "nonfinite_update_skips", "Steps skipped whole because some computed update was not finite."
+    )
+    del _counter
 
     # ------------------------------------------------------------------ options
     @property
@@ -223,98 +236,86 @@ class DASH(DashStateDict):
         self._layout = None
 
     def _settle_roots(self, collective: bool) -> None:
-        """Swap pending side-stream roots in, so saved or exported state holds them."""
-        report = self.roots.settle(self._layout, collective or self._distributor.world_size == 1)
-        if report is not None:
-            self._count_failures(self._layout, report)
+        """Collect the latest verdict and swap pending side-stream roots in, so saved or
+        exported state holds them (reads values back: not for the step's hot path)."""
+        self._verdicts.collect()
+        layout = self._layout
+        report = self.roots.settle(layout, collective or self._distributor.world_size == 1)
+        if report is not None and layout is not None:
+            device = layout.params[0].device if layout.params else torch.device("cpu")
+            failed, longest = failure_summary(report, self._distributor, device).tolist()
+            self._counts["root_failure_count"] += int(failed)
+            self._note_streak(int(longest))
 
-    def _count_failures(self, layout: Layout, report: FailureReport) -> None:
-        device = layout.params[0].device if layout.params else torch.device("cpu")
-        failed, longest = count_root_failures(report, self._distributor, device)
-        self.root_failure_count += failed
-        raise_on_streak(report, layout.names, longest, self.max_consecutive_root_failures, self.root_settings.method)
+    def _note_streak(self, longest: int) -> None:
+        limit = self.max_consecutive_root_failures
+        if limit is not None and longest >= limit:
+            self._streak_at_limit = longest
+
+    def _raise_on_streak(self, layout: Layout) -> None:
+        """Raise :class:`RootComputationError` for a streak a read-back verdict reported."""
+        longest, self._streak_at_limit = self._streak_at_limit, None
+        if longest is not None:
+            report = FailureReport([], committed_streaks(layout))
+            limit = self.max_consecutive_root_failures
+            raise_on_streak(report, layout.names, longest, limit, self.root_settings.method)
+
+    def _read_verdict(self, layout: Layout, active: set[int], verdict: StepVerdict) -> None:
+        """The host's side of a step, one step late: counters, step counts, the streak limit."""
+        if verdict.grad_bad:
+            self._counts["nonfinite_grad_skips"] += 1
+        elif verdict.update_bad:
+            self._counts["nonfinite_update_skips"] += 1
+        if not verdict.applied:
+            self._advance(layout, active, -1)
+            return
+        self._counts["root_failure_count"] += verdict.failed_roots
+        self._note_streak(verdict.longest_streak)
+
+    def _advance(self, layout: Layout, active: set[int], delta: int) -> None:
+        """Move the step counts of the ``active`` parameters by ``delta``."""
+        for index in active:
+            layout.steps[index] += delta
+        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], float(delta))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; calls ``closure`` (with gradients enabled) first if given.
 
-        The step is applied whole or not at all: every new statistic, root and update
-        is computed first, then checked, then committed. A non-finite gradient
-        anywhere skips the whole step (``nonfinite_grad_skips``); a non-finite update
-        skips it too (``nonfinite_update_skips``); a root streak reaching
-        ``max_consecutive_root_failures`` raises :class:`RootComputationError` before
-        anything but the failure counters has changed.
+        The step is applied whole or not at all, decided on the device without a host
+        wait: every new statistic, root and update is computed first, then checked, then
+        committed. A non-finite gradient anywhere skips the whole step
+        (``nonfinite_grad_skips``), a non-finite update too (``nonfinite_update_skips``).
+        The host learns a step's verdict at the next step (or when a counter is read):
+        a root streak that reached ``max_consecutive_root_failures`` raises
+        :class:`RootComputationError` there, before that step changes anything.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._verdicts.collect()
         layout = self._current_layout()
+        self._raise_on_streak(layout)
         self.roots.last_residual = None
-        active, all_finite, all_zero = active_params(layout, self._distributor.reduce_max)
-        if not active or (all_zero and all(group["lr"] == 0 for group in self.param_groups)):
-            # Nothing can move: torch.distributed.checkpoint materialises an empty
-            # optimizer's state this way, and it must not advance any counter.
+        active = active_params(layout)
+        if not active or self._materialising(layout, active):
             return loss
-        if not all_finite:
-            self.nonfinite_grad_skips += 1
-            return loss
-        for index in active:
-            layout.steps[index] += 1
-        committed = False
+        self._advance(layout, active, 1)
         try:
-            committed = self._step_whole(layout, active)
-        finally:
-            if not committed:
-                for index in active:
-                    layout.steps[index] -= 1
+            rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
+            verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._distributor)
+        except BaseException:
+            self._advance(layout, active, -1)
+            raise
+        self._verdicts.post(verdict, lambda read: self._read_verdict(layout, active, read))
         return loss
 
-    def _step_whole(self, layout: Layout, active: set[int]) -> bool:
-        """Compute every candidate, check it, and commit it (see :meth:`step`); returns
-        whether the step was committed."""
-        rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
-        groups = self.param_groups
-        due = any(
-            layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active
-        )
-        # Side-stream roots swap in before any statistics move (and before blocks are copied out).
-        report = self.roots.begin_step(layout, due)
-        vectors = [
-            work
-            for vector in layout.vectors
-            if (work := vector_work(layout, vector, groups[vector.group_index], active, rules))
-        ]
-        positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
-        grads = self._distributor.block_gradients([stack.plan for stack in layout.stacks], layout.params)
-        works = [
-            work
-            for stack, grad in zip(layout.stacks, grads)
-            if (work := begin_stack(layout, stack, grad, groups, active, rules))
-        ]
-        report = self.roots.refresh(layout, works, due) or report
-        if report is not None:
-            self._count_failures(layout, report)
-        updates = [
-            BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules))
-            for work in works
-        ]
-        shared = self._distributor.share_updates(updates)
-        checked = shared.tensors() + [work.update for work in vectors]
-        device = layout.params[0].device
-        bad = torch.stack([~torch.isfinite(t).all() for t in checked]).any() if checked else torch.tensor(False)
-        if self._distributor.reduce_max(bad.to(device, torch.float32).view(1)).item() > 0:
-            self.nonfinite_update_skips += 1
+    def _materialising(self, layout: Layout, active: set[int]) -> bool:
+        """A step with every learning rate and gradient zero moves nothing and counts
+        nothing: ``torch.distributed.checkpoint`` materialises an empty optimizer's state
+        this way (reads one value back, only when every learning rate is zero)."""
+        if any(group["lr"] != 0 for group in self.param_groups):
             return False
-        # Commit: nothing below can fail on bad numbers.
-        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], 1.0)
-        decay_weights(layout, self.param_groups, active)
-        for work in vectors:
-            work.commit()
-            torch._foreach_add_(work.params, work.update_views())
-        for work in works:
-            work.commit()
-        shared.apply(layout.params)
-        self.roots.launch(layout, works, due)
-        return True
+        return gradients_all_zero(layout, active, self._distributor.reduce_max)

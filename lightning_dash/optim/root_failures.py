@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lightning_dash.optim.distributor import BlockDistributor
 from lightning_dash.optim.root_refresh import FailureReport
@@ -12,23 +13,22 @@ class RootComputationError(RuntimeError):
     """A block's inverse root failed ``max_consecutive_root_failures`` times in a row."""
 
 
-def count_root_failures(report: FailureReport, distributor: BlockDistributor, device: torch.device) -> tuple[int, int]:
-    """Roots ``report`` rejected over all ranks, and the longest failure streak of any
-    block (collective when blocks are owned by several ranks; ``device``: the
-    parameters', where the collective runs)."""
-    local = torch.stack(report.failures).float() if report.failures else torch.zeros(1, 2)
+def failure_summary(report: FailureReport, distributor: BlockDistributor, device: torch.device) -> Tensor:
+    """``[failed roots, longest streak]`` of ``report`` over all ranks, on ``device`` (not
+    read back; collective when blocks are owned by several ranks)."""
+    local = torch.stack(report.failures).float() if report.failures else torch.zeros(1, 2, device=device)
     summary = torch.stack([local[:, 0].sum(), local[:, 1].max()]).to(device)
-    summary = distributor.reduce_failures(summary).cpu()
-    return int(summary[0]), int(summary[1])
+    return distributor.reduce_failures(summary)
 
 
 def raise_on_streak(report: FailureReport, names: list[str], longest: int, limit: int | None, method: str) -> None:
     """Raise :class:`RootComputationError` once the longest streak (over all ranks)
     reaches ``limit``, naming the parameter when this rank holds the block.
 
-    Every rank sees the same ``longest``, so every rank raises together. In a
-    synchronous step the streaks are the step's candidates, so the error comes before
-    anything but the counters has changed.
+    Every rank sees the same ``longest``, so every rank raises together. The host
+    learns a step's streaks when it reads that step's verdict back, at the next step,
+    and raises there before that step changes anything: the step in which the streak
+    reached the limit was applied with the blocks' previous roots.
     """
     if limit is None or longest < limit:
         return

@@ -81,10 +81,11 @@ def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
     the exact (float64) factor's null space would, so roundoff in the gradients is not
     amplified by ``eps^(-1/4)``.
 
-    A stack whose decomposition raises, or blocks whose roots come out non-finite,
-    are recomputed in float64; a stack whose float64 decomposition raises too comes
-    back as NaN, which the optimizer rejects and counts as failed. This check reads
-    one flag back to the host.
+    A stack whose decomposition raises is recomputed in float64; one whose float64
+    decomposition raises too comes back as NaN. Blocks with non-finite roots are left
+    as they are: the optimizer rejects and counts them on the device, and retries them
+    at the next refresh. Nothing here reads a value back (on CUDA, torch's eigh itself
+    checks its error code on the host).
     """
 
     def roots_from(symmetric: Tensor, block_eps: Tensor) -> Tensor:
@@ -102,10 +103,6 @@ def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
 
     symmetric = symmetrize(matrices)
     try:
-        result = roots_from(symmetric, eps)
+        return roots_from(symmetric, eps)
     except RuntimeError:
         return in_float64(symmetric, eps)
-    bad = ~torch.isfinite(result).all(dim=(1, 2))
-    if bool(bad.any()):
-        result[bad] = in_float64(symmetric[bad], eps[bad])
-    return result

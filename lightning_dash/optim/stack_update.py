@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_dash.optim.blocks import StackPlan
 from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
+from lightning_dash.optim.host_values import upload, upload_runs
 from lightning_dash.optim.layout import Layout, Stack, VectorGroup
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState
 
@@ -40,12 +41,12 @@ class UpdateRules:
 
 
 def per_block(values: list[float], counts: list[int], device: torch.device) -> PerBlock:
-    """One value per region expanded to one per block: a float when all agree."""
+    """One value per region expanded to one per block: a float when all agree, else a
+    vector uploaded without a host wait."""
     first = values[0]
     if all(value == first for value in values):
         return first
-    expanded = torch.tensor(values, dtype=torch.float32).repeat_interleave(torch.tensor(counts))
-    return expanded.to(device)
+    return upload([value for value, count in zip(values, counts) for _ in range(count)], torch.float32, device)
 
 
 def blockwise(value: PerBlock) -> PerBlock:
@@ -79,38 +80,57 @@ def next_momentum(
     return following, (grad.lerp(following, beta1) if rules.nesterov else following)
 
 
-def active_params(layout: Layout, reduce_max: Callable[[Tensor], Tensor]) -> tuple[set[int], bool, bool]:
-    """Indices of parameters with a gradient (empty ones excepted), whether every
-    gradient is finite, and whether every one is exactly zero; one host read-back.
-
-    Each rank measures the part of each gradient it holds; ``reduce_max`` combines the
-    ranks' peaks (NaN counted as infinite), so every rank reaches the same verdict.
-    """
+def active_params(layout: Layout) -> set[int]:
+    """Indices of parameters with a gradient (empty ones excepted); a host-side decision."""
     candidates = [i for i, p in enumerate(layout.params) if p.grad is not None and p.numel() > 0]
     for index in candidates:
         if layout.params[index].grad.is_sparse:
             raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
-    if not candidates:
-        return set(), True, True
-    grads = [layout.local(layout.params[i].grad) for i in candidates]
-    held = [grad for grad in grads if grad.numel() > 0]
-    device = layout.params[candidates[0]].grad.device
-    norms = iter(torch._foreach_norm(held, float("inf")) if held else [])
-    zero = torch.zeros((), device=device)
-    peaks = torch.stack([next(norms).float().to(device) if grad.numel() > 0 else zero for grad in grads])
-    peaks = reduce_max(torch.nan_to_num(peaks, nan=math.inf, posinf=math.inf)).tolist()
-    return set(candidates), all(math.isfinite(peak) for peak in peaks), not any(peaks)
+    return set(candidates)
 
 
-def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int]) -> None:
-    """Decoupled weight decay ``W <- W (1 - lr wd)`` of the moving parameters."""
+def local_peaks(layout: Layout, active: set[int], device: torch.device) -> Tensor:
+    """The largest magnitude of each active gradient's local part, as one vector (NaN
+    propagates; an empty part counts as zero). Two launches, no host read."""
+    held = [grad for i in sorted(active) if (grad := layout.local(layout.params[i].grad)).numel() > 0]
+    if not held:
+        return torch.zeros(1, device=device)
+    return torch.stack([norm.to(torch.float32) for norm in torch._foreach_norm(held, math.inf)])
+
+
+def any_nonfinite(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A 0-d float on ``device``: 1 when some entry of ``tensors`` is not finite, else 0."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    peaks = torch.stack([norm.to(torch.float32) for norm in torch._foreach_norm(tensors, math.inf)])
+    return (~torch.isfinite(peaks)).any().to(torch.float32)
+
+
+def gradients_all_zero(layout: Layout, active: set[int], reduce_max: Callable[[Tensor], Tensor]) -> bool:
+    """Whether every active gradient is exactly zero on every rank (reads one value back)."""
+    device = layout.params[min(active)].device
+    peaks = torch.nan_to_num(local_peaks(layout, active, device), nan=math.inf)
+    return bool(reduce_max(peaks.max().view(1)).item() == 0)
+
+
+def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int], skip: Tensor) -> None:
+    """Decoupled weight decay ``W <- W (1 - lr wd)`` of the moving parameters (none when
+    the 0-d bool ``skip`` is set)."""
     for group_index, group in enumerate(groups):
         factor = 1.0 - group["lr"] * group["weight_decay"]
         if factor != 1.0:
             moving = [i for i in sorted(active) if layout.group_of[i] == group_index]
             decayed = [layout.local(layout.params[i]) for i in moving]
             if decayed:
-                torch._foreach_mul_(decayed, factor)
+                torch._foreach_mul_(decayed, torch.where(skip, 1.0, torch.full_like(skip, factor, dtype=torch.float64)))
+
+
+def commit_masked(current: Tensor, candidate: Tensor, index: Tensor | None, skip: Tensor) -> None:
+    """``current`` (at ``index``, or whole) takes ``candidate`` unless ``skip`` is set; in place."""
+    if index is None:
+        torch.where(skip, current, candidate.to(current.dtype), out=current)
+    else:
+        current.index_copy_(0, index, torch.where(skip, current.index_select(0, index), candidate.to(current.dtype)))
 
 
 @dataclass
@@ -125,20 +145,17 @@ class VectorWork:
     rms: Tensor
     update: Tensor
 
-    def update_views(self) -> list[Tensor]:
-        """The flat update cut into one tensor per parameter, shaped like it."""
-        return [u.view(p.shape).to(p.dtype) for u, p in zip(self.update.split(self.numels), self.params)]
+    def apply(self, skip: Tensor) -> None:
+        """Add the update to the parameters (nothing when the 0-d bool ``skip`` is set)."""
+        update = torch.where(skip, 0.0, self.update)
+        torch._foreach_add_(self.params, [u.view(p.shape) for u, p in zip(update.split(self.numels), self.params)])
 
-    def commit(self) -> None:
-        """Make the candidate momentum and second moment the group's state."""
-        if self.index is None:
-            if self.momentum is not None:
-                self.vector.momentum = self.momentum
-            self.vector.rms = self.rms
-        else:
-            if self.momentum is not None:
-                self.vector.momentum[self.index] = self.momentum
-            self.vector.rms[self.index] = self.rms
+    def commit(self, skip: Tensor) -> None:
+        """Make the candidate momentum and second moment the group's state, in place,
+        unless ``skip`` (a 0-d bool on the device) is set."""
+        if self.momentum is not None:
+            commit_masked(self.vector.momentum, self.momentum, self.index, skip)
+        commit_masked(self.vector.rms, self.rms, self.index, skip)
 
 
 def vector_work(
@@ -156,9 +173,7 @@ def vector_work(
     if len(members) == len(vector.param_indices):
         index, momentum, rms = None, vector.momentum, vector.rms
     else:
-        index = torch.cat([torch.arange(vector.offsets[k], vector.offsets[k] + vector.numels[k]) for k in members]).to(
-            device
-        )
+        index = upload_runs([(vector.offsets[k], vector.numels[k]) for k in members], device)
         momentum, rms = vector.momentum[index], vector.rms[index]
     steps = [layout.steps[vector.param_indices[k]] for k in members]
     beta1, _ = group["betas"]
@@ -186,13 +201,15 @@ class StackWork:
     due: Tensor | None
     due_regions: list[int]
 
-    def commit(self) -> None:
-        """Make the candidate state the stack's state (fields are replaced, so objects
-        that hold the stack's state, such as pending asynchronous roots, stay valid)."""
-        if self.index is None:
-            self.stack.state.assign(self.state)
-        else:
-            self.stack.state.commit(self.index, self.state)
+    def commit(self, skip: Tensor) -> None:
+        """Write the candidate state into the stack's tensors, in place, unless ``skip``
+        (a 0-d bool on the device) is set: no host read decides it."""
+        committed = self.stack.state
+        for name, candidate in self.state.named_fields():
+            current = getattr(committed, name)
+            if candidate is None or (candidate is current and self.index is None):
+                continue
+            commit_masked(current if current is not None else committed.ensure(name), candidate, self.index, skip)
 
     def positions(self) -> Tensor | None:
         """Positions in the whole stack of the due blocks (None: every block)."""
@@ -212,8 +229,7 @@ def begin_stack(
     if len(regions) == len(stack.plan.regions):
         plan, index, state = stack.plan, None, stack.state.copy()
     else:
-        plan, positions = stack.plan.subset({r.param_index for r in regions})
-        index = torch.tensor(positions, device=stack.state.left_factor.device)
+        plan, index = stack.subset(tuple(r.param_index for r in regions))
         state = stack.state.select(index)
     device = state.left_factor.device
     grad = grads if index is None else grads.index_select(0, index)
@@ -237,9 +253,7 @@ def begin_stack(
     due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g)]
     due = None
     if due_regions and len(due_regions) < len(plan.regions):
-        due = torch.cat(
-            [torch.arange(plan.regions[k].stack_offset, plan.regions[k].stack_offset + counts[k]) for k in due_regions]
-        ).to(device)
+        due = upload_runs([(plan.regions[k].stack_offset, counts[k]) for k in due_regions], device)
     return StackWork(stack, plan, index, state, followed / first_term, steps, region_groups, due, due_regions)
 
 

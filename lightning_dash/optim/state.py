@@ -77,6 +77,10 @@ class StackState:
             setattr(self, name, tensor)
         return tensor
 
+    def named_fields(self) -> list[tuple[str, Tensor | None]]:
+        """Every field's name and value, in declaration order."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
     def tensors(self) -> list[Tensor]:
         """Every tensor the record holds (for memory accounting)."""
         return [value for f in fields(self) if (value := getattr(self, f.name)) is not None]
@@ -84,11 +88,6 @@ class StackState:
     def copy(self) -> StackState:
         """A new record holding the same tensors (fields can then be replaced freely)."""
         return StackState(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def assign(self, other: StackState) -> None:
-        """Take every field of ``other`` (the tensors themselves, not copies)."""
-        for f in fields(self):
-            setattr(self, f.name, getattr(other, f.name))
 
     def select(self, index: Tensor) -> StackState:
         """Copies of the blocks at ``index`` (for steps where only some blocks move)."""
@@ -98,16 +97,6 @@ class StackState:
                 for f in fields(self)
             }
         )
-
-    def commit(self, index: Tensor, part: StackState) -> None:
-        """Write the blocks of ``part`` back to positions ``index``."""
-        for f in fields(self):
-            value = getattr(part, f.name)
-            if value is None:
-                continue
-            if getattr(self, f.name) is None:
-                self.ensure(f.name)
-            getattr(self, f.name).index_copy_(0, index, value)
 
 
 def _tile_index(region: Region, block_size: int, row: int, col: int) -> tuple[int, int]:

@@ -1,0 +1,82 @@
+"""One optimizer step as the device runs it: candidates, a verdict, a masked commit.
+
+Every new statistic, root and update is computed into fresh tensors first. The device
+then decides whether the step is applied (every gradient and every update finite, on
+every rank) and writes the candidates into the state and the parameters with
+``torch.where(skip, old, new)``: a step is applied whole or not at all, and the host
+never waits for the decision. It learns it one step later (:mod:`.step_verdict`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate
+from lightning_dash.optim.layout import Layout
+from lightning_dash.optim.root_failures import failure_summary
+from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
+from lightning_dash.optim.stack_update import (
+    UpdateRules,
+    any_nonfinite,
+    begin_stack,
+    decay_weights,
+    local_peaks,
+    roots_due,
+    stack_direction,
+    vector_work,
+)
+
+
+def step_on_device(
+    layout: Layout,
+    active: set[int],
+    groups: list[dict[str, Any]],
+    rules: UpdateRules,
+    roots: RootRefresher,
+    distributor: BlockDistributor,
+) -> Tensor:
+    """Run one step of the ``active`` parameters; returns its verdict vector
+    ``[gradient not finite, update not finite, failed roots, longest failure streak]``
+    on the device (see :mod:`.step_verdict`), the same on every rank."""
+    device = layout.params[min(active)].device
+    due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
+    # Side-stream roots swap in before any statistics move (and before blocks are copied out).
+    installed = roots.begin_step(layout, due)
+    grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)
+    vectors = [vector_work(layout, vector, groups[vector.group_index], active, rules) for vector in layout.vectors]
+    vectors = [work for work in vectors if work is not None]
+    positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
+    grads = distributor.block_gradients([stack.plan for stack in layout.stacks], layout.params)
+    works = [begin_stack(layout, stack, grad, groups, active, rules) for stack, grad in zip(layout.stacks, grads)]
+    works = [work for work in works if work is not None]
+    refreshed = roots.refresh(layout, works, due)
+    updates = [
+        BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules)) for work in works
+    ]
+    shared = distributor.share_updates(updates)
+    update_bad = any_nonfinite(shared.tensors() + [work.update for work in vectors], device)
+    flags = distributor.reduce_max(torch.stack([grad_bad, update_bad]))
+    skip = flags.amax() > 0
+    decay_weights(layout, groups, active, skip)
+    for work in vectors:
+        work.commit(skip)
+        work.apply(skip)
+    for work in works:
+        work.commit(skip)
+    shared.apply(layout.params, skip)
+    roots.launch(layout, works, due)
+    failures = _failures(installed, distributor, device)
+    if refreshed is not None:
+        # Roots of a skipped step were not committed, so they neither count nor lengthen a streak.
+        fresh = failure_summary(refreshed, distributor, device) * (~skip).to(torch.float32)
+        failures = torch.stack([failures[0] + fresh[0], torch.maximum(failures[1], fresh[1])])
+    return torch.cat([flags, failures])
+
+
+def _failures(report: FailureReport | None, distributor: BlockDistributor, device: torch.device) -> Tensor:
+    if report is None:
+        return torch.zeros(2, device=device)
+    return failure_summary(report, distributor, device)

@@ -8,7 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 CPY := $(COMPOSER_VENV)/bin/python
 
-.PHONY: demo test test-lightning test-composer lint bench clean
+# Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
+PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
+
+.PHONY: demo test test-lightning test-composer lint bench bench-step clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +43,18 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solvers.py
+
+# Meta's Distributed Shampoo into $(VENV), for benchmarks/step_time.py --suite peers. Its metadata asks
+# for Python >= 3.12 but it runs on 3.11; it imports numpy without declaring it.
+$(VENV)/.peers-installed: $(PEER_TARBALL) $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python $(PEER_TARBALL)
+	$(PY) -m pip install --quiet numpy
+	touch $@
+
+# DASH against Meta's Distributed Shampoo (skipped by the script when the peer is not installed);
+# about 8 minutes on 2 CPU cores. On a shared machine: flock /tmp/cpu_heavy.lock make bench-step
+bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
+	$(PY) benchmarks/step_time.py --suite peers
 
 clean:
 	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache

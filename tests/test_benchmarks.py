@@ -143,6 +143,91 @@ def test_step_time_records_have_the_documented_layout(tmp_path):
     assert "loop / DASH" in step_time.format_table(records)
 
 
+PEER_KEYS = {
+    "device": str,
+    "model": str,
+    "optimizer": str,
+    "solver": str,
+    "frequency": int,
+    "block_size": int,
+    "step_ms": float,
+    "ratio": (float, type(None)),
+}
+NO_META = "distributed_shampoo (Meta's Distributed Shampoo, installed by make bench-step) is not importable"
+
+
+def test_step_time_peers_suite_writes_its_layout(tmp_path):
+    """``--suite peers`` end to end on the tiny model: DASH (eigh and its default solver) and
+    meta_shampoo at two frequencies, records with the documented layout and ratios."""
+    pytest.importorskip("distributed_shampoo", reason=NO_META)
+    assert step_time.parameter_count(step_time.model_parameter_shapes("gpt-6.6m")) == 6_646_272
+    assert step_time.model_parameter_shapes("matrices-8x1024") == [(f"matrix.{i}", (1024, 1024)) for i in range(8)]
+    args = step_time.parse_args(
+        [
+            "--suite",
+            "peers",
+            "--device",
+            "cpu",
+            "--models",
+            "gpt-tiny",
+            "--block-sizes",
+            "32",
+            "--frequencies",
+            "1",
+            "2",
+        ]
+        + ["--rounds", "1", "--warmup", "0", "--samples", "1", "--out", str(tmp_path)]
+    )
+    records = step_time.main_peers(args)
+    default = step_time.default_inverse_root_method()
+    assert [(r.optimizer, r.solver, r.frequency) for r in records] == [
+        ("dash", "eigh", 1),
+        ("dash_default", default, 1),
+        ("meta_shampoo", "eigh", 1),
+        ("dash", "eigh", 2),
+        ("dash_default", default, 2),
+        ("meta_shampoo", "eigh", 2),
+    ]
+    path = tmp_path / "step_time_peers_cpu.json"
+    for record, row in zip(records, json.loads(path.read_text())):
+        check_layout(row, PEER_KEYS)
+        assert row["model"] == "gpt-tiny" and row["block_size"] == 32 and row["step_ms"] > 0
+        meta_ms = next(r.step_ms for r in records if r.optimizer == "meta_shampoo" and r.frequency == record.frequency)
+        if record.optimizer == "meta_shampoo":
+            assert row["ratio"] is None
+        else:
+            assert row["ratio"] == pytest.approx(meta_ms / record.step_ms)
+    assert "meta / this" in step_time.format_peer_table(records)
+
+
+def test_meta_shampoo_matches_dash_on_matrices():
+    """The matched settings are the same optimizer on matrices: with the same absolute damping and
+    roots at every step, Meta's Shampoo and DASH move every matrix alike (vectors differ by
+    design: DASH gives them Adam, Meta the momentum at Adam's norm; see _meta_shampoo.py)."""
+    pytest.importorskip("distributed_shampoo", reason=NO_META)
+    import _meta_shampoo
+
+    torch.manual_seed(0)
+    shapes = [(40, 24), (70, 30), (24,)]
+    initial = [torch.randn(shape) for shape in shapes]
+    gradients = [[torch.randn(shape) for shape in shapes] for _ in range(4)]
+    shared = {"lr": 0.01, "betas": (0.9, 0.999), "block_size": 32, "precondition_frequency": 1}
+    grafting = {"grafting_beta2": 0.999, "grafting_epsilon": 1e-8}
+    ours, theirs = [p.clone().requires_grad_() for p in initial], [p.clone().requires_grad_() for p in initial]
+    dash = DASH(ours, **shared, **grafting, inverse_root_method="eigh", epsilon=1e-6, relative_epsilon=False)
+    meta = _meta_shampoo.build_meta_shampoo(theirs, **shared, **grafting, epsilon=1e-6)
+    for step_grads in gradients:
+        for params in (ours, theirs):
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+        dash.step()
+        meta.step()
+    for start, a, b in zip(initial[:2], ours, theirs):
+        moved = (a - start).abs().max()
+        assert moved > 0
+        assert (a - b).abs().max() <= 1e-3 * moved
+
+
 def test_gpu_labels():
     assert common.short_gpu_name("NVIDIA H100 80GB HBM3") == "h100"
     assert common.short_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"

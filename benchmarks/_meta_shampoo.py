@@ -1,0 +1,113 @@
+"""Meta's Distributed Shampoo built with the settings of the DASH case it is timed against.
+
+``distributed_shampoo.DistributedShampoo`` (facebookresearch/optimizers, installed from
+``../shared/peers/torch-shampoo-*.tar.gz``; see ``../shared/peers/README.md``) is a peer for
+``benchmarks/step_time.py`` only: nothing in the package imports it, and this module imports
+it only when an optimizer is built, so that the benchmarks load without it. Only its public
+API is called (the names exported by ``distributed_shampoo``).
+
+Matched with DASH, as its README recommends for a comparison with an Adam-grafted Shampoo:
+
+* the same learning rate, ``betas`` (momentum of the gradient, decay of the Kronecker
+  factors), no weight decay (decoupled), and bias correction (both default to it);
+* ``max_preconditioner_dim`` = DASH's ``block_size``: both cut every matrix into tiles of at
+  most that side;
+* Adam grafting with the same ``beta2`` and ``epsilon`` (``AdamPreconditionerConfig``), the
+  Shampoo direction rescaled per block to the Adam update's norm, as DASH does;
+* its default root solver, an eigendecomposition (``torch.linalg.eigh``) of each factor,
+  exponent -1/4 on each side of a matrix;
+* the same ``precondition_frequency`` f. Its ``start_preconditioning_step`` must be at least f
+  (it raises otherwise), so it is f: the smallest it accepts, 1 at f = 1 (roots from the first
+  step, as DASH's default ``start_preconditioning_step=1``). Before that step it follows the
+  Adam direction alone, which is cheaper: the benchmark warms both optimizers up for at
+  least :func:`start_preconditioning_step` steps, so every timed window of f steps holds one
+  root computation and f Shampoo steps for each;
+* no Shampoo factors on one-dimensional parameters (``inverse_exponent_override={1: 0.0}``):
+  DASH updates vectors (biases, LayerNorm weights) with the grafting optimizer alone, while
+  Meta's default preconditions a vector of length n with an n x n factor and its own
+  eigendecomposition (a 1024-long MLP bias would add a 1024 x 1024 ``eigh`` per refresh).
+  With the override a vector keeps its momentum and Adam state, and its direction is the
+  momentum rescaled to the Adam update's norm: elementwise work, as for DASH.
+
+``epsilon`` is each optimizer's own recommended damping, not one number: DASH's is relative
+to each factor's Frobenius norm (default 1e-6), Meta's absolute (1e-12, its default and its
+README's recommendation). Neither changes an eigendecomposition's cost.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+#: The module the package installs.
+MODULE = "distributed_shampoo"
+#: Meta's own recommendation (README) and default: an absolute damping.
+META_EPSILON = 1e-12
+
+
+def available() -> bool:
+    """Whether ``distributed_shampoo`` can be imported here."""
+    return importlib.util.find_spec(MODULE) is not None
+
+
+def version() -> str:
+    """The installed distribution's version (the tarball's name carries the commit)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
+
+    try:
+        return distribution_version("torch-shampoo")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def start_preconditioning_step(frequency: int) -> int:
+    """The first step that uses (and computes) the roots: the smallest Meta accepts, ``frequency``."""
+    return frequency
+
+
+def build_meta_shampoo(
+    params: Iterable[Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    block_size: int,
+    precondition_frequency: int,
+    grafting_beta2: float,
+    grafting_epsilon: float,
+    epsilon: float = META_EPSILON,
+    precondition_vectors: bool = False,
+) -> torch.optim.Optimizer:
+    """``DistributedShampoo`` on ``params`` with the settings above (eigh roots, Adam grafting).
+
+    ``precondition_vectors=True`` keeps Meta's default of a Shampoo factor on every
+    one-dimensional parameter as well.
+    """
+    from distributed_shampoo import (
+        AdamPreconditionerConfig,
+        DistributedShampoo,
+        RootInvShampooPreconditionerConfig,
+        WeightDecayType,
+    )
+
+    # The default amortized computation of RootInvShampooPreconditionerConfig is its
+    # eigendecomposition (DefaultEigenConfig); only the vectors' exponent is overridden.
+    preconditioner = RootInvShampooPreconditionerConfig(
+        inverse_exponent_override={} if precondition_vectors else {1: 0.0}
+    )
+    return DistributedShampoo(
+        params,
+        lr=lr,
+        betas=betas,
+        epsilon=epsilon,
+        weight_decay=0.0,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=block_size,
+        precondition_frequency=precondition_frequency,
+        start_preconditioning_step=start_preconditioning_step(precondition_frequency),
+        grafting_config=AdamPreconditionerConfig(beta2=grafting_beta2, epsilon=grafting_epsilon),
+        preconditioner_config=preconditioner,
+    )

@@ -107,7 +107,7 @@ CPU_TABLE = SolverTable(
 #: the asynchronous root pipeline.
 CUDA_TABLE = SolverTable(
     choices=((2048, "newton_db"),),
-    source="not measured here (no GPU): the DASH paper finds Newton-DB with power-iteration scaling fastest "
+    source="not measured here, no GPU: the DASH paper finds Newton-DB with power-iteration scaling fastest "
     "on GPU, and eigh on CUDA synchronises with the host",
 )
 

@@ -294,6 +294,18 @@ def test_monitor_writes_metrics_on_logging_steps(tmp_path):
         residual = float(row["dash/root_residual"])  # roots are recomputed every step here
         assert math.isfinite(residual) and 0.0 <= residual < 1.0
     assert all(float(row["dash/ownership_balance"]) == 1.0 for row in rows)
+    # The solver in use is logged once, as a hyperparameter (this module asks for newton_db).
+    hparams = (Path(logger.log_dir) / "hparams.yaml").read_text()
+    assert "dash/inverse_root_method: newton_db" in hparams
+
+
+def test_monitor_logs_what_auto_chose(tmp_path):
+    logger = CSVLogger(tmp_path, name="auto")
+    module = TinyModule()
+    module.dash_options["inverse_root_method"] = "auto"
+    fit(tmp_path, 1, [DashMonitor()], module=module, logger=logger)
+    # on the CPU, "auto" is eigh at every block size (benchmarks/results/solver_choice_cpu.json)
+    assert "dash/inverse_root_method: eigh" in (Path(logger.log_dir) / "hparams.yaml").read_text()
 
 
 def test_monitor_counts_skipped_nonfinite_gradients_and_omits_missing_residual(tmp_path):

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.callbacks.grafting_schedule import _dash_optimizer
-from lightning_dash.integration import dash_metrics
+from lightning_dash.integration import dash_metrics, dash_settings
 from lightning_dash.optim.validation import check_int
 from lightning_dash.strategies import DashFSDPStrategy, DashStrategy
 
@@ -54,9 +54,11 @@ class DashMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _dash_optimizer(trainer, self)
+        settings = dash_settings(_dash_optimizer(trainer, self))
         if not trainer.loggers:
             rank_zero_warn("DashMonitor: the trainer has no logger, so nothing will be logged.")
+        for logger in trainer.loggers:
+            logger.log_hyperparams(settings)
         self._started = None
 
     @staticmethod

@@ -10,7 +10,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from typing_extensions import override
 
-from lightning_dash.integration import dash_metrics
+from lightning_dash.integration import dash_metrics, dash_settings
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import check_int
 
@@ -64,7 +64,7 @@ class DashComposerMonitor(Callback):
 
     @override
     def fit_start(self, state: State, logger: Logger) -> None:
-        self._dash(state)
+        logger.log_hyperparameters(dash_settings(self._dash(state)))
         self._started = None
 
     @override

@@ -5,7 +5,7 @@ and converts the user's optimizer with them; :func:`dash_metrics` is what both D
 monitors log. This package imports neither Lightning nor Composer.
 """
 
-from lightning_dash.integration.metrics import dash_metrics
+from lightning_dash.integration.metrics import dash_metrics, dash_settings
 from lightning_dash.integration.options import ConversionOptions
 
-__all__ = ["ConversionOptions", "dash_metrics"]
+__all__ = ["ConversionOptions", "dash_metrics", "dash_settings"]

@@ -12,6 +12,12 @@ from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.optim import DASH
 
 
+def dash_settings(optimizer: DASH) -> dict[str, str]:
+    """What DASH chose for this device, logged once as hyperparameters at fit start:
+    ``dash/inverse_root_method`` is the solver in use (what ``"auto"`` picked)."""
+    return {"dash/inverse_root_method": optimizer.inverse_root_method_in_use}
+
+
 def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None = None) -> dict[str, float]:
     """DASH's step time and health, as ``{"dash/<name>": value}``.
 

@@ -221,7 +221,9 @@ class DashStateDict(torch.optim.Optimizer):
     def _extra(self) -> dict[str, Any]:
         """What a state dict carries under ``"dash"``: counters and what the blocks depend on."""
         extra = {name: getattr(self, name) for name in COUNTERS}
-        return {**extra, "grafting": self.grafting, **{name: getattr(self, name) for name in LAYOUT_OPTIONS}}
+        layout = {name: getattr(self, name) for name in LAYOUT_OPTIONS}
+        layout["inverse_root_method"] = self.inverse_root_method_in_use  # what "auto" chose
+        return {**extra, "grafting": self.grafting, **layout}
 
     def _named(self, packed: dict[str, Any]) -> dict[str, Any]:
         """``packed`` with parameters named instead of numbered (state keys and groups)."""
@@ -319,7 +321,9 @@ class DashStateDict(torch.optim.Optimizer):
                 for key, entry in state_dict.get("state", {}).items()
             },
         }
-        check_same_layout(state_dict, {name: getattr(self, name) for name in LAYOUT_OPTIONS})
+        # "auto" takes a checkpoint of any solver: the roots are recomputed at the next refresh.
+        fixed = {name: getattr(self, name) for name in LAYOUT_OPTIONS if getattr(self, name) != "auto"}
+        check_same_layout(state_dict, fixed)
         check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
         check_same_names(state_dict, self.param_groups)
         self.roots.discard()

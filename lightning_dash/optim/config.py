@@ -27,6 +27,8 @@ from lightning_dash.optim.validation import (
 )
 
 MATRIX_SCALINGS = ("frobenius", "power_iteration")
+#: ``inverse_root_method`` value that picks the solver per device and block size.
+AUTO = "auto"
 
 #: Relative damping of the factors (see ``epsilon``), chosen by measurement
 #: (``benchmarks/damping.py``, README: Damping).
@@ -124,10 +126,12 @@ class DashConfig:
         per_group=True,
     )
     inverse_root_method: str = _option(
-        "eigh",
-        "solver of the inverse fourth roots: eigh treats the roundoff-level null space of a rank-deficient "
-        "factor as null; the iterative solvers (coupled_newton, newton_db, chebyshev) need a larger epsilon",
-        _one_of(INVERSE_ROOT_METHODS),
+        "auto",
+        "solver of the inverse fourth roots: auto picks the fastest one at the required accuracy for the "
+        "parameters' device and the block size, as measured (eigh on CPU, newton_db on CUDA); eigh treats the "
+        "roundoff-level null space of a rank-deficient factor as null; the iterative solvers "
+        "(coupled_newton, newton_db, chebyshev) need a larger epsilon",
+        _one_of((AUTO, *INVERSE_ROOT_METHODS)),
     )
     matrix_scaling: str = _option(
         "power_iteration", "spectrum bound of the Newton and Chebyshev solvers", _one_of(MATRIX_SCALINGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,20 +11,26 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.checkpoint import DashStateDict
-from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_group, check_option
+from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import converted_groups
 from lightning_dash.optim.device_step import step_on_device
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
 from lightning_dash.optim.grafting import uses_second_moment
 from lightning_dash.optim.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
-from lightning_dash.optim.root_failures import failure_summary, raise_on_streak
-from lightning_dash.optim.root_refresh import FailureReport, RootRefresher, committed_streaks
+from lightning_dash.optim.root_failures import failure_summary
+from lightning_dash.optim.root_refresh import RootRefresher
 from lightning_dash.optim.roots import RootSettings
+from lightning_dash.optim.solver_choice import choose_inverse_root_method, explain_choice
 from lightning_dash.optim.stack_update import UpdateRules, active_params, gradients_all_zero
-from lightning_dash.optim.step_verdict import StepVerdict, VerdictQueue
+from lightning_dash.optim.step_bookkeeping import StepBookkeeping
+from lightning_dash.optim.step_verdict import VerdictQueue
+
+_log = logging.getLogger("lightning_dash")
+#: Device types whose "auto" choice was logged (once per process).
+_ANNOUNCED: set[str] = set()
 
 
-class DASH(DashStateDict):
+class DASH(StepBookkeeping, DashStateDict):
     """Shampoo with batched block processing, batched inverse roots and grafting.
 
     Each parameter of two or more dimensions is viewed as a matrix, cut into
@@ -65,9 +72,10 @@ class DASH(DashStateDict):
         #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
         #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
         self.collective_state_dict = False
-        #: The root computation: synchronous, or on a side CUDA stream.
+        #: The root computation: synchronous, or on a side CUDA stream ("auto" is resolved
+        #: when the stacks are built, once the parameters' device is final).
         self.roots = RootRefresher(
-            self.root_settings,
+            self._config.root_settings,
             self._config.bias_correction,
             self._config.async_preconditioning,
             self._config.max_staleness,
@@ -77,29 +85,6 @@ class DASH(DashStateDict):
         self._consolidated: dict[int, dict[str, Tensor]] | None = None
         defaults = self._config.group_defaults()
         super().__init__(params, defaults)
-
-    # ------------------------------------------------------------------ counters
-    # Each step's verdict reaches the host one step later; reading a counter collects it first.
-    def _counter(name: str, doc: str) -> property:  # noqa: N805 (a property factory used in the class body)
-        def read(self: DASH) -> int:
-            self._verdicts.collect()
-            return self._counts[name]
-
-        def write(self: DASH, value: int) -> None:
-            self._counts[name] = int(value)
-
-        return property(read, write, doc=doc)
-
-    root_failure_count = _counter(
-        "root_failure_count",
-        "Blocks whose new roots were rejected (non-finite, or a residual above "
-        ":func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.",
-    )
-    nonfinite_grad_skips = _counter("nonfinite_grad_skips", "Steps skipped whole because some gradient was not finite.")
-    nonfinite_update_skips = _counter(
-        "nonfinite_update_skips", "Steps skipped whole because some computed update was not finite."
-    )
-    del _counter
 
     # ------------------------------------------------------------------ options
     @property
@@ -116,8 +101,21 @@ class DASH(DashStateDict):
 
     @property
     def root_settings(self) -> RootSettings:
-        """How the inverse roots are computed (from the options)."""
-        return self._config.root_settings
+        """How the inverse roots are computed (from the options, with "auto" resolved)."""
+        return dataclasses.replace(self._config.root_settings, method=self.inverse_root_method_in_use)
+
+    @property
+    def inverse_root_method_in_use(self) -> str:
+        """The solver the roots are computed with: the option, or what ``"auto"`` picks for
+        the parameters' device and the block size (:mod:`~lightning_dash.optim.solver_choice`)."""
+        method = self._config.inverse_root_method
+        if method != AUTO:
+            return method
+        return choose_inverse_root_method(self._device(), self.block_size)
+
+    def _device(self) -> torch.device:
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        return first.device if first is not None else torch.device("cpu")
 
     @property
     def grafting(self) -> str:
@@ -213,6 +211,7 @@ class DASH(DashStateDict):
     def _current_layout(self) -> Layout:
         """The stacked state, built from ``self.state`` when there is none."""
         if self._layout is None:
+            self._resolve_solver()
             self._layout = stack_state(
                 self.param_groups,
                 self.state,
@@ -221,6 +220,15 @@ class DASH(DashStateDict):
                 want_second_moment=uses_second_moment(self.grafting),
             )
         return self._layout
+
+    def _resolve_solver(self) -> None:
+        """Point the root computation at the solver for the parameters' current device,
+        saying once per device type what ``"auto"`` chose."""
+        self.roots.settings = self.root_settings
+        device = self._device()
+        if self._config.inverse_root_method == AUTO and device.type not in _ANNOUNCED:
+            _ANNOUNCED.add(device.type)
+            _log.info("DASH inverse_root_method=%s", explain_choice(device, self.block_size))
 
     def _retire_layout(self) -> None:
         """Move stacked state back into ``self.state`` so the layout can be rebuilt."""
@@ -246,37 +254,6 @@ class DASH(DashStateDict):
             failed, longest = failure_summary(report, self._distributor, device).tolist()
             self._counts["root_failure_count"] += int(failed)
             self._note_streak(int(longest))
-
-    def _note_streak(self, longest: int) -> None:
-        limit = self.max_consecutive_root_failures
-        if limit is not None and longest >= limit:
-            self._streak_at_limit = longest
-
-    def _raise_on_streak(self, layout: Layout) -> None:
-        """Raise :class:`RootComputationError` for a streak a read-back verdict reported."""
-        longest, self._streak_at_limit = self._streak_at_limit, None
-        if longest is not None:
-            report = FailureReport([], committed_streaks(layout))
-            limit = self.max_consecutive_root_failures
-            raise_on_streak(report, layout.names, longest, limit, self.root_settings.method)
-
-    def _read_verdict(self, layout: Layout, active: set[int], verdict: StepVerdict) -> None:
-        """The host's side of a step, one step late: counters, step counts, the streak limit."""
-        if verdict.grad_bad:
-            self._counts["nonfinite_grad_skips"] += 1
-        elif verdict.update_bad:
-            self._counts["nonfinite_update_skips"] += 1
-        if not verdict.applied:
-            self._advance(layout, active, -1)
-            return
-        self._counts["root_failure_count"] += verdict.failed_roots
-        self._note_streak(verdict.longest_streak)
-
-    def _advance(self, layout: Layout, active: set[int], delta: int) -> None:
-        """Move the step counts of the ``active`` parameters by ``delta``."""
-        for index in active:
-            layout.steps[index] += delta
-        torch._foreach_add_([self.state[layout.params[i]]["step"] for i in sorted(active)], float(delta))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

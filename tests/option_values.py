@@ -39,6 +39,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_consecutive_root_failures": 7,
     "async_preconditioning": True,
     "max_staleness": 2,
+    "compile": True,
 }
 
 #: How each optimizer-wide option reads back from a DASH optimizer's public attributes.
@@ -56,6 +57,7 @@ _OPTIMIZER_WIDE: dict[str, Callable[[DASH], Any]] = {
     "max_consecutive_root_failures": lambda dash: dash.max_consecutive_root_failures,
     "async_preconditioning": lambda dash: dash.async_preconditioning,
     "max_staleness": lambda dash: dash.max_staleness,
+    "compile": lambda dash: dash.compile,
 }
 
 assert set(NON_DEFAULT) == set(OPTION_NAMES), "add the new option to NON_DEFAULT"

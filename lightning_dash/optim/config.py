@@ -174,6 +174,12 @@ class DashConfig:
         "on CUDA, compute due roots on a side stream and use them from a later step (off CUDA: synchronous)",
         _flag,
     )
+    compile: bool = _option(
+        False,
+        "compile each stack's statistics, momentum, grafting and update with torch.compile(fullgraph=True): "
+        "fused elementwise work, hyperparameters as tensors so schedules never recompile (the first steps compile)",
+        _flag,
+    )
     max_staleness: int = _option(
         1, "latest step, counted from the computation's, at which asynchronous roots must be used", _staleness
     )

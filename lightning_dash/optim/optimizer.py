@@ -281,7 +281,7 @@ class DASH(StepBookkeeping, DashStateDict):
             return loss
         self._advance(layout, active, 1)
         try:
-            rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction)
+            rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction, self._config.compile)
             verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._distributor)
         except BaseException:
             self._advance(layout, active, -1)

@@ -33,6 +33,7 @@ class UpdateRules:
     grafting: str
     nesterov: bool
     bias_correction: bool
+    compiled: bool = False
 
     @property
     def fallback(self) -> str:
@@ -49,6 +50,21 @@ def per_block(values: list[float], counts: list[int], device: torch.device) -> P
     return upload([value for value, count in zip(values, counts) for _ in range(count)], torch.float32, device)
 
 
+def block_table(
+    columns: list[list[float]], counts: list[int], device: torch.device, dtype: torch.dtype, as_tensors: bool
+) -> list[PerBlock]:
+    """Per-region values (one list per column) as per-block values shaped ``(n, 1, 1)``.
+
+    Eagerly a column whose regions agree stays a float (fewer kernels); for a compiled
+    step (``as_tensors``) every column is a tensor, all uploaded in one copy, so changing
+    values (learning rates, bias corrections) never change the compiled graph.
+    """
+    if not as_tensors:
+        return [blockwise(per_block(column, counts, device)) for column in columns]
+    flat = [value for column in columns for value, count in zip(column, counts) for _ in range(count)]
+    return list(upload(flat, dtype, device).view(len(columns), -1, 1, 1).unbind(0))
+
+
 def blockwise(value: PerBlock) -> PerBlock:
     """Shape a per-block vector to broadcast over ``(n, rows, cols)``."""
     return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
@@ -60,14 +76,10 @@ def roots_due(step: int, group: dict[str, Any]) -> bool:
     return step >= start and (step - start) % group["precondition_frequency"] == 0
 
 
-def momentum_terms(
-    rules: UpdateRules, steps: list[int], counts: list[int], betas1: list[float], device: torch.device
-) -> PerBlock:
-    """``1 - beta1**t`` (``t + 1`` with Nesterov), per block."""
-    if not rules.bias_correction:
-        return 1.0
+def momentum_terms(rules: UpdateRules, steps: list[int], betas1: list[float]) -> list[float]:
+    """``1 - beta1**t`` (``t + 1`` with Nesterov) per region (1 without bias correction)."""
     shift = 1 if rules.nesterov else 0
-    return per_block([1.0 - b ** (t + shift) for b, t in zip(betas1, steps)], counts, device)
+    return [1.0 - b ** (t + shift) if rules.bias_correction else 1.0 for b, t in zip(betas1, steps)]
 
 
 def next_momentum(
@@ -169,7 +181,8 @@ def vector_work(
     params = [layout.local(p) for p in whole]
     numels = [vector.numels[k] for k in members]
     device, dtype = vector.momentum.device, vector.momentum.dtype
-    grad = torch.cat([layout.local(p.grad).reshape(-1).to(dtype) for p in whole])
+    grad = torch.empty(sum(numels), dtype=dtype, device=device)
+    torch.cat([layout.local(p.grad).reshape(-1) for p in whole], out=grad)
     if len(members) == len(vector.param_indices):
         index, momentum, rms = None, vector.momentum, vector.rms
     else:
@@ -178,13 +191,37 @@ def vector_work(
     steps = [layout.steps[vector.param_indices[k]] for k in members]
     beta1, _ = group["betas"]
     graft_beta2 = group["grafting_beta2"]
+    first = momentum_terms(rules, steps, [beta1] * len(steps))
+    second = [1.0 - graft_beta2**t if rules.bias_correction else 1.0 for t in steps]
+    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [-group["lr"]] * len(steps)]
+    scalars = [
+        v.view(-1) if isinstance(v, Tensor) else v for v in block_table(columns, numels, device, dtype, rules.compiled)
+    ]
+    momentum, rms, update = kernel(advance_vector, rules.compiled)(
+        grad, momentum if beta1 > 0 else None, rms, *scalars, group["grafting_epsilon"], rules
+    )
+    return VectorWork(vector, params, numels, index, momentum, rms, update)
+
+
+def advance_vector(
+    grad: Tensor,
+    momentum: Tensor | None,
+    rms: Tensor,
+    beta1: PerBlock,
+    graft_beta2: PerBlock,
+    first_term: PerBlock,
+    second_term: PerBlock,
+    neg_lr: PerBlock,
+    epsilon: float,
+    rules: UpdateRules,
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """The grafting optimizer's step on a flat buffer (pure): new momentum, second-moment
+    root and update."""
     if uses_second_moment(rules.fallback):
         rms = next_rms(rms, grad, rules.fallback, graft_beta2)
-    momentum, followed = next_momentum(rules, momentum if beta1 > 0 else None, grad, beta1)
-    first_term = momentum_terms(rules, steps, numels, [beta1] * len(steps), device)
-    second_term = per_block([1.0 - graft_beta2**t for t in steps], numels, device) if rules.bias_correction else 1.0
-    direction = grafting_direction(followed / first_term, rms, rules.fallback, group["grafting_epsilon"], second_term)
-    return VectorWork(vector, params, numels, index, momentum, rms, direction.mul_(-group["lr"]))
+    momentum, followed = next_momentum(rules, momentum, grad, beta1)
+    direction = grafting_direction(followed / first_term, rms, rules.fallback, epsilon, second_term)
+    return momentum, rms, direction * neg_lr
 
 
 @dataclass
@@ -237,24 +274,47 @@ def begin_stack(
     region_groups = [groups[layout.group_of[r.param_index]] for r in plan.regions]
     steps = [layout.steps[r.param_index] for r in plan.regions]
     betas1 = [g["betas"][0] for g in region_groups]
-    beta1 = blockwise(per_block(betas1, counts, device))
-    beta2 = per_block([g["betas"][1] for g in region_groups], counts, device)
-
-    state.left_factor, state.right_factor, state.factor_scale = accumulate_factors(
-        state.left_factor, state.right_factor, state.factor_scale, grad, beta2
-    )
-    if uses_second_moment(rules.grafting):
-        graft_beta2 = blockwise(per_block([g["grafting_beta2"] for g in region_groups], counts, device))
-        state.grafting_rms = next_rms(state.ensure(GRAFTING_RMS), grad, rules.grafting, graft_beta2)
-    wants_momentum = any(b > 0 for b in betas1)
-    state.momentum, followed = next_momentum(rules, state.ensure(MOMENTUM) if wants_momentum else None, grad, beta1)
-    first_term = blockwise(momentum_terms(rules, steps, counts, betas1, device))
+    columns = [
+        betas1,
+        [g["betas"][1] for g in region_groups],
+        [g["grafting_beta2"] for g in region_groups],
+        momentum_terms(rules, steps, betas1),
+    ]
+    scalars = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
+    momentum = state.ensure(MOMENTUM) if any(b > 0 for b in betas1) else None
+    rms = state.ensure(GRAFTING_RMS) if uses_second_moment(rules.grafting) else state.grafting_rms
+    (state.left_factor, state.right_factor, state.factor_scale, state.momentum, followed, state.grafting_rms) = kernel(
+        advance_blocks, rules.compiled
+    )(grad, state.left_factor, state.right_factor, state.factor_scale, momentum, rms, *scalars, rules)
 
     due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g)]
     due = None
     if due_regions and len(due_regions) < len(plan.regions):
         due = upload_runs([(plan.regions[k].stack_offset, counts[k]) for k in due_regions], device)
-    return StackWork(stack, plan, index, state, followed / first_term, steps, region_groups, due, due_regions)
+    return StackWork(stack, plan, index, state, followed, steps, region_groups, due, due_regions)
+
+
+def advance_blocks(
+    grad: Tensor,
+    left: Tensor,
+    right: Tensor,
+    scale: Tensor,
+    momentum: Tensor | None,
+    rms: Tensor | None,
+    beta1: PerBlock,
+    beta2: PerBlock,
+    graft_beta2: PerBlock,
+    first_term: PerBlock,
+    rules: UpdateRules,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+    """One step of a stack's statistics (pure): new factors, scale, momentum, the
+    bias-corrected momentum the step follows, and the grafting second-moment root."""
+    decay = beta2.reshape(-1) if isinstance(beta2, Tensor) else beta2
+    left, right, scale = accumulate_factors(left, right, scale, grad, decay)
+    if uses_second_moment(rules.grafting):
+        rms = next_rms(rms, grad, rules.grafting, graft_beta2)
+    momentum, followed = next_momentum(rules, momentum, grad, beta1)
+    return left, right, scale, momentum, followed / first_term, rms
 
 
 def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
@@ -262,25 +322,75 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
     state, plan, groups = work.state, work.plan, work.groups
     device = state.left_factor.device
     counts = [r.num_blocks for r in plan.regions]
-    second_term: PerBlock = 1.0
-    if rules.bias_correction:
-        second_term = blockwise(
-            per_block([1.0 - g["grafting_beta2"] ** t for g, t in zip(groups, work.steps)], counts, device)
-        )
-    epsilon = blockwise(per_block([g["grafting_epsilon"] for g in groups], counts, device))
-    fallback = grafting_direction(work.momentum, state.grafting_rms, rules.fallback, epsilon, second_term)
+    columns = [
+        [1.0 - g["grafting_beta2"] ** t if rules.bias_correction else 1.0 for g, t in zip(groups, work.steps)],
+        [g["grafting_epsilon"] for g in groups],
+        [g["shampoo_blend"] for g in groups],
+        [-g["lr"] for g in groups],
+    ]
+    second_term, epsilon, blend, neg_lr = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
     started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]
-    if any(started):
-        shampoo = torch.bmm(torch.bmm(state.left_root, work.momentum), state.right_root)
-        if rules.grafting != "none":
-            shampoo = graft_norm(shampoo, fallback)
-        blend = blockwise(per_block([g["shampoo_blend"] for g in groups], counts, device))
-        if isinstance(blend, Tensor) or blend != 1.0:
-            shampoo = torch.lerp(fallback, shampoo, blend)
-        use = state.root_valid
-        if not all(started):
-            use = use & per_block([float(s) for s in started], counts, device).bool()
-        direction = torch.where(use[:, None, None], shampoo, fallback)
-    else:
-        direction = fallback
-    return direction.mul_(blockwise(per_block([-g["lr"] for g in groups], counts, device)))
+    use = state.root_valid
+    if any(started) and not all(started):
+        use = use & per_block([float(s) for s in started], counts, device).bool()
+    return kernel(direct_blocks, rules.compiled)(
+        work.momentum,
+        state.grafting_rms,
+        state.left_root,
+        state.right_root,
+        use,
+        second_term,
+        epsilon,
+        blend,
+        neg_lr,
+        rules,
+        any(started),
+    )
+
+
+def direct_blocks(
+    followed: Tensor,
+    rms: Tensor | None,
+    left_root: Tensor,
+    right_root: Tensor,
+    use: Tensor,
+    second_term: PerBlock,
+    epsilon: PerBlock,
+    blend: PerBlock,
+    neg_lr: PerBlock,
+    rules: UpdateRules,
+    started: bool,
+) -> Tensor:
+    """A stack's update (pure): the Shampoo direction ``L^(-1/4) M R^(-1/4)`` grafted to the
+    grafting optimizer's norm and blended with it where ``use`` (valid roots, started),
+    else the grafting direction; times ``-lr``."""
+    fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
+    if not started:
+        return fallback * neg_lr
+    shampoo = torch.bmm(torch.bmm(left_root, followed), right_root)
+    if rules.grafting != "none":
+        shampoo = graft_norm(shampoo, fallback)
+    if isinstance(blend, Tensor) or blend != 1.0:
+        shampoo = torch.lerp(fallback, shampoo, blend)
+    return torch.where(use[:, None, None], shampoo, fallback) * neg_lr
+
+
+#: Distinct graphs one compiled kernel may hold (one per stack shape and dtype, and per
+#: subset of moving blocks); torch's default of 8 is too few for a large model.
+RECOMPILE_LIMIT = 256
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def kernel(function: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+    """``function`` itself, or compiled whole with ``torch.compile(fullgraph=True)``."""
+    if not compiled:
+        return function
+    if function not in _COMPILED:
+        compiled_function = torch.compile(function, fullgraph=True, dynamic=False)
+
+        def call(*args: Any) -> Any:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled_function(*args)
+
+        _COMPILED[function] = call
+    return _COMPILED[function]

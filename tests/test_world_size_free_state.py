@@ -47,7 +47,9 @@ def test_the_state_is_keyed_by_name_and_tile():
     assert first["momentum_2_1"].shape == (1, 2) and first["left_factor_2_1"].shape == (1, 1)
     assert state["state"]["0.bias"]["momentum"].shape == (9,)
     assert state["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert state["dash"]["block_size"] == 4 and state["dash"]["inverse_root_method"] == optimizer.inverse_root_method
+    # the solver saved is the one in use: what "auto" picked on this device (eigh on the CPU)
+    assert optimizer.inverse_root_method == "auto" and state["dash"]["inverse_root_method"] == "eigh"
+    assert state["dash"]["block_size"] == 4
     # The tiles hold the same numbers as torch's layout (a parameter-shaped momentum).
     torch_layout = optimizer.state_dict()["state"][0]
     assert torch.equal(first["momentum_2_1"], torch_layout["momentum"][8:9, 4:6])
@@ -79,6 +81,15 @@ def test_another_block_size_or_solver_is_named(change, message):
     other = DASH(network.named_parameters(), **{**OPTIONS, **change})
     with pytest.raises(ValueError, match=message):
         other.load_state_dict(saved.sharded_state_dict())
+
+
+def test_auto_takes_a_checkpoint_of_any_solver():
+    _, saved = trained()
+    state = saved.sharded_state_dict()
+    state["dash"]["inverse_root_method"] = "newton_db"  # as written on a GPU, where auto picks newton_db
+    resumed = DASH(model().named_parameters(), **OPTIONS)
+    resumed.load_state_dict(state)  # roots are recomputed at the next refresh, with this device's solver
+    assert resumed.inverse_root_method_in_use == "eigh"
 
 
 def test_a_checkpoint_of_another_model_is_named():

@@ -16,6 +16,8 @@ tensors. A decay of 1 accumulates AdaGrad-style sums instead of an average.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -39,7 +41,7 @@ def accumulate_factors(
     the ``(n,)`` float64 ``s``, ``grad`` the blocks' gradients in the factors' dtype.
     """
     dtype = left.dtype
-    peak = grad.abs().amax(dim=(1, 2))
+    peak = torch.linalg.vector_norm(grad, ord=math.inf, dim=(1, 2))
     unit = grad / torch.where(peak > 0, peak, torch.ones_like(peak))[:, None, None]
     keep, add = _weights(decay)
     squared = peak.double().square()
@@ -47,7 +49,7 @@ def accumulate_factors(
     safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
     old_weight = (keep * scale / safe).to(dtype)[:, None, None]
     new_weight = (add * squared / safe).sqrt().to(dtype)[:, None, None]
-    unit = unit * new_weight
+    unit.mul_(new_weight)
     left_next = torch.baddbmm(left * old_weight, unit, unit.transpose(1, 2))
     right_next = torch.baddbmm(right * old_weight, unit.transpose(1, 2), unit)
     return left_next, right_next, new_scale

@@ -22,7 +22,9 @@ def upload(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: 
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     host = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
-    return host.to(device, non_blocking=True)
+    # A tensor torch owns, never one over the Python array's memory: such a tensor must take
+    # the GIL when freed, which aborts a process whose interpreter is already shutting down.
+    return host.clone() if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def upload_runs(runs: Sequence[tuple[int, int]], device: torch.device) -> Tensor:

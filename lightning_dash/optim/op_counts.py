@@ -31,6 +31,8 @@ from typing import Any
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_dash.optim.step_verdict import is_host_mirror
+
 #: ATen calls whose result the host must wait for.
 SYNCHRONISING_OPS = frozenset(
     {
@@ -99,7 +101,7 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in HOST_READ_METHODS and not getattr(args[0] if args else None, "_dash_host_mirror", False):
+        if name in HOST_READ_METHODS and not (args and is_host_mirror(args[0])):
             self.counts.syncs[name] += 1
         return func(*args, **(kwargs or {}))
 

@@ -15,6 +15,7 @@ does not touch the device, so :mod:`.op_counts` does not count it as a synchroni
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,10 +27,22 @@ GRAD_BAD, UPDATE_BAD, FAILED_ROOTS, LONGEST_STREAK = range(4)
 VERDICT_SIZE = 4
 
 
+#: Host buffers filled by asynchronous copies, by ``id`` (an attribute set on a tensor would
+#: tie its Python object to it, which must then be freed under the GIL, even at exit).
+_HOST_MIRRORS: dict[int, weakref.ref[Tensor]] = {}
+
+
 def mark_host_mirror(tensor: Tensor) -> Tensor:
-    """Mark ``tensor`` as host memory filled by an asynchronous copy (see :mod:`.op_counts`)."""
-    tensor._dash_host_mirror = True  # type: ignore[attr-defined]
+    """Register ``tensor`` as host memory filled by an asynchronous copy (see :mod:`.op_counts`)."""
+    key = id(tensor)
+    _HOST_MIRRORS[key] = weakref.ref(tensor, lambda _: _HOST_MIRRORS.pop(key, None))
     return tensor
+
+
+def is_host_mirror(value: object) -> bool:
+    """Whether ``value`` is a buffer :func:`mark_host_mirror` registered."""
+    ref = _HOST_MIRRORS.get(id(value))
+    return ref is not None and ref() is value
 
 
 @dataclass

@@ -28,6 +28,7 @@ and gradients:
   grafting beta2 0.999, at each ``--frequencies`` f (default 1 and 10);
 * ``dash_default``: the same with the solver DASH picks when none is given (its default
   ``inverse_root_method``, recorded as ``solver``), so the table follows the default;
+* ``dash_compiled``: ``dash_default`` with ``compile=True`` (compiled during the warm-up);
 * ``meta_shampoo``: ``distributed_shampoo.DistributedShampoo`` (eigh, its default root
   solver) with the same block size, grafting, betas and f, built by
   ``benchmarks/_meta_shampoo.py`` (whose docstring lists the matched settings and why);
@@ -372,15 +373,22 @@ def heavyball_version() -> str:
     return version("heavyball")
 
 
-def default_inverse_root_method() -> str:
-    """The solver ``DASH(...)`` uses when none is given (read from a throwaway optimizer)."""
-    probe = build_optimizer("dash", [torch.zeros(2, 2, requires_grad=True)], lr=LR)
-    return str(getattr(probe, "inverse_root_method", "default"))
+def default_inverse_root_method(device: torch.device | None = None, block_size: int = 1024) -> str:
+    """The solver ``DASH(...)`` uses when none is given (read from a throwaway optimizer on
+    ``device``: what ``"auto"`` picks there, for revisions that have it)."""
+    param = torch.zeros(2, 2, requires_grad=True, device=device)
+    probe = build_optimizer("dash", [param], lr=LR, block_size=block_size)
+    return str(getattr(probe, "inverse_root_method_in_use", getattr(probe, "inverse_root_method", "default")))
 
 
-def dash_peer_case(model: str, frequency: int, solver: str | None, settings: PeerSettings = PEERS) -> Case:
-    """DASH with the peers' shared settings; ``solver=None`` leaves DASH's default solver."""
-    options = {} if solver is None else {"inverse_root_method": solver}
+def dash_peer_case(
+    model: str, frequency: int, solver: str | None, settings: PeerSettings = PEERS, compiled: bool = False
+) -> Case:
+    """DASH with the peers' shared settings; ``solver=None`` leaves DASH's default solver;
+    ``compiled``: ``compile=True`` (its first steps compile, within the warm-up)."""
+    options: dict = {} if solver is None else {"inverse_root_method": solver}
+    if compiled:
+        options["compile"] = True
 
     def build(params: list[Tensor]) -> torch.optim.Optimizer:
         return build_optimizer(
@@ -399,6 +407,7 @@ def dash_peer_case(model: str, frequency: int, solver: str | None, settings: Pee
         )
 
     name, solver_name = ("dash", solver) if solver is not None else ("dash_default", default_inverse_root_method())
+    name = "dash_compiled" if compiled else name
     return Case(
         name,
         solver_name,
@@ -440,7 +449,8 @@ def meta_shampoo_case(model: str, frequency: int, settings: PeerSettings = PEERS
 
 
 def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
-    """Per model, block size and frequency: DASH (eigh), DASH with its default solver, meta_shampoo."""
+    """Per model, block size and frequency: DASH (eigh), DASH with its default solver, eager and
+    compiled, and meta_shampoo."""
     with_meta = _meta_shampoo.available()
     cases = []
     for model in args.models:
@@ -450,6 +460,7 @@ def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
                 cases += [
                     dash_peer_case(model, frequency, settings.solver, settings),
                     dash_peer_case(model, frequency, None, settings),
+                    dash_peer_case(model, frequency, None, settings, compiled=True),
                 ]
                 if with_meta:
                     cases.append(meta_shampoo_case(model, frequency, settings))

@@ -183,9 +183,11 @@ def test_step_time_peers_suite_writes_its_layout(tmp_path):
     assert [(r.optimizer, r.solver, r.frequency) for r in records] == [
         ("dash", "eigh", 1),
         ("dash_default", default, 1),
+        ("dash_compiled", default, 1),
         ("meta_shampoo", "eigh", 1),
         ("dash", "eigh", 2),
         ("dash_default", default, 2),
+        ("dash_compiled", default, 2),
         ("meta_shampoo", "eigh", 2),
     ]
     path = tmp_path / "step_time_peers_cpu.json"

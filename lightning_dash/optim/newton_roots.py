@@ -139,8 +139,16 @@ def planned_coupled_newton_iterations(lower: float, root: int, tolerance: float)
     return MAX_PLANNED_ITERATIONS
 
 
+def _largest_magnitude(matrices: Tensor) -> Tensor:
+    """Per-block ``max|x|``: the infinity norm (one read), except on the CPU, where ``amax``
+    and ``amin`` are vectorised passes and the infinity norm is ~15x slower than both."""
+    if matrices.device.type == "cpu":
+        return torch.maximum(matrices.amax(dim=(1, 2)), matrices.amin(dim=(1, 2)).neg())
+    return torch.linalg.vector_norm(matrices, ord=math.inf, dim=(1, 2))
+
+
 def _residual(product: Tensor, scale: float, owned: bool) -> Tensor:
-    """Per-block ``max|scale * product - I|`` from its largest and smallest entries.
+    """Per-block ``max|scale * product - I|``, reading ``product`` once.
 
     The diagonal is shifted by ``-1 / scale`` for the reduction and then restored exactly
     from a copy, so ``product`` is left as it was; it is copied first unless the solver
@@ -150,10 +158,9 @@ def _residual(product: Tensor, scale: float, owned: bool) -> Tensor:
     diagonal = work.diagonal(dim1=1, dim2=2)
     saved = diagonal.clone()
     diagonal.sub_(1.0 / scale)
-    # amax and amin are each a fast vectorised pass on CPU (aminmax and the infinity norm are not)
-    distance = torch.maximum(work.amax(dim=(1, 2)), work.amin(dim=(1, 2)).neg())
+    distance = _largest_magnitude(work)
     diagonal.copy_(saved)
-    return scale * distance
+    return distance if scale == 1.0 else scale * distance
 
 
 def _coupled_iteration(

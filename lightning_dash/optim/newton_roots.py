@@ -5,8 +5,8 @@ The iteration ``X <- X N, M <- N^p M, N = ((p+1) I - M) / p`` from ``X = I, M = 
 ``M = X^p A`` to ``I`` and so ``X`` to ``A^(-1/p)``; for p = 2 it is the coupled
 Newton-Schulz (product Denman-Beavers) iteration with ``M = Z Y``. Both solvers run a fixed,
 host-planned number of batched iterations with a per-block convergence mask: a converged
-block gets ``N = I``, which leaves ``X`` and ``M`` exactly as they are, so no iteration waits
-on the host (its matmuls still run, at full cost).
+block gets ``N = I``, which leaves ``X`` and ``M`` as they are, so no iteration waits on the
+host (its matmuls still run, at full cost).
 
 Matmuls per refresh of ``K`` iterations: ``log2(p) + 1`` for ``N^p M`` and one for ``X N``
 in every iteration, except that the first multiplies nothing into ``X = I`` and the last
@@ -170,9 +170,11 @@ def _coupled_iteration(
     ``(A^(-1/p), residual)``, the residual ``max|I - c M|`` of the last ``M`` tested.
 
     ``N = c^(1/p) ((p+1) I - c M) / p`` is built as ``beta M + alpha I`` with per-block
-    coefficients; a converged block gets ``alpha = 1, beta = 0``, i.e. ``N = I``, which the
-    matmuls reproduce exactly (``X I = X``), so it stays frozen without a ``torch.where`` on
-    the iterates. ``X = I`` needs no matmul in the first step, and ``M`` none in the last.
+    coefficients; a converged block gets ``alpha = 1, beta = 0``, i.e. ``N = I``, which
+    float32 and float64 matmuls reproduce exactly (``X I = X``), so it stays frozen without a
+    ``torch.where`` on the iterates (bfloat16 or float16 matmuls round it to that dtype once,
+    below their convergence tolerance). ``X = I`` needs no matmul in the first step, and
+    ``M`` none in the last.
     """
     n = matrices.shape[0]
     ones = matrices.new_ones(n, 1, 1)

@@ -27,12 +27,12 @@ Parts of a DASH step, per ``m x n`` block (``E = m n`` elements, ``F = m^2 + n^2
   the device without a host sync: three more fp32 passes per state tensor (read old, read
   new, and the candidate's own write). ``compile=True`` fuses them away;
   ``dash_ms_without_commit`` leaves them out (as does today's commit, which swaps the
-  candidate tensors in).
+  candidate tensors in before the on-device commit).
 * ``root matmuls`` and ``root elementwise``: Newton-DB inverse fourth roots of both factors,
   amortised over the precondition frequency ``f``; its iteration count is the one
-  :func:`~lightning_dash.optim.newton_roots.planned_newton_schulz_iterations` plans for the
-  default relative epsilon 1e-6 (two passes: ``A^(-1/2)``, then ``(A^(1/2))^(-1/2)``).
-  ``eigh`` (DASH's default solver) is not a matmul workload: the time of cuSOLVER's
+  :func:`~lightning_dash.optim.newton_roots.planned_scaled_iterations` plans for the
+  default relative epsilon 1e-6 (one scaled coupled pass for ``A^(-1/4)``, what ``auto``
+  picks on CUDA). ``eigh`` (``auto``'s choice on CPU) is not a matmul workload: the time of cuSOLVER's
   eigendecomposition is not modelled; the records give its FLOPs and, per factor size, the
   time one decomposition must stay under for eigh to beat Newton-DB (``eigh_break_even_ms``).
 
@@ -72,7 +72,7 @@ from step_time import GPTShape, gpt_parameter_shapes
 
 from lightning_dash.optim.blocks import matrix_shape, param_regions
 from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
-from lightning_dash.optim.newton_roots import planned_newton_schulz_iterations
+from lightning_dash.optim.newton_roots import planned_scaled_iterations
 from lightning_dash.optim.root_common import spectral_upper_bound
 from lightning_dash.optim.roots import spectrum_floor
 
@@ -155,16 +155,18 @@ COMMIT_PASSES = 3
 #: Computations, 4th ed., Table 8.3.1), plus 2 b^3 for the reconstruction ``V diag V^T``.
 EIGH_FLOPS = 9
 EIGH_RECONSTRUCTION_FLOPS = 2
-#: Newton-DB: GEMMs per iteration (``Z Y``, ``Y C``, ``C Z`` in ``_newton_schulz_inverse_sqrt``).
-NEWTON_GEMMS_PER_ITERATION = 3
-#: fp32 elementwise passes over b^2 per iteration (scaling of Y and Z 4, ``P - I`` and
-#: ``abs`` 4, ``amax`` 1, correction ``1.5 I - 0.5 P`` 6, two ``freeze`` selects 6).
-NEWTON_PASSES_PER_ITERATION = 21
+#: Newton-DB (one scaled coupled pass for ``A^(-1/4)``, ``_coupled_iteration``): GEMMs per
+#: iteration, ``X N``, ``N^2``, ``N^4`` and ``N^4 M``; the first step skips ``X N`` and the last
+#: needs only ``X N``, so ``K`` iterations cost ``4 (K - 1)`` GEMMs.
+NEWTON_GEMMS_PER_ITERATION = 4
+#: fp32 elementwise passes over b^2 per iteration: the residual's read of ``M`` 1, ``N = beta M``
+#: read and write 2 (the identity is added on the diagonal only).
+NEWTON_PASSES_PER_ITERATION = 3
 #: fp32 passes over b^2 per factor and root computation outside the iterations: the due
-#: factors concatenated 2, ``normalise`` 5, two ``add_diagonal`` clones 4, power iteration
-#: (11 batched mat-vecs of 8 vectors, each reading the matrix) 11, spectral scaling 2,
-#: ``symmetrize`` of both iterates after each of the two passes 20, rescaling 4, accept 3.
-NEWTON_SETUP_PASSES = 51
+#: factors concatenated 2, ``normalise`` 5, ``add_diagonal`` clone 2 (the noise-floor lift is
+#: in place), power iteration (11 batched mat-vecs of 8 vectors, each reading the matrix) 11,
+#: spectral scaling 2, ``symmetrize`` 3, rescaling 4, accept 3.
+NEWTON_SETUP_PASSES = 32
 POWER_ITERATION_FLOPS = 11 * 2 * 8  # per b^2: 11 products of (b x b)(b x 8)
 #: fp32 passes over b^2 per factor on the eigh path besides the decomposition and the
 #: reconstruction GEMM: concatenation 2, ``normalise`` 5, ``symmetrize`` 5, eigenvectors
@@ -265,23 +267,25 @@ def vector_bytes_per_element(param_bytes: int) -> int:
 
 
 def newton_db_iterations(matmul_dtype: torch.dtype, side: int, epsilon: float = DEFAULT_EPSILON) -> int:
-    """Iterations of both Newton-DB passes, as DASH plans them for relative damping ``epsilon``
+    """Iterations of Newton-DB's one pass, as DASH plans them for relative damping ``epsilon``
     (the same calls as :func:`~lightning_dash.optim.newton_roots.newton_db` makes)."""
     settings = DashConfig(inverse_root_method="newton_db", matmul_dtype=matmul_dtype, epsilon=epsilon).root_settings
     floor = spectrum_floor(settings, side, epsilon)
-    upper = spectral_upper_bound(settings.scaling)
-    first = planned_newton_schulz_iterations(floor, upper)
-    second = planned_newton_schulz_iterations(math.sqrt(floor), math.sqrt(upper))
-    return first + second
+    return planned_scaled_iterations(floor, spectral_upper_bound(settings.scaling), 4)
+
+
+def newton_gemms(iterations: int) -> int:
+    """GEMMs of one Newton-DB root of ``iterations`` steps (none into ``X = I``, none after the last)."""
+    return NEWTON_GEMMS_PER_ITERATION * (iterations - 1)
 
 
 def newton_root_flops(side: int, iterations: int) -> int:
     """GEMM FLOPs of one Newton-DB root of a ``side x side`` factor."""
-    return iterations * NEWTON_GEMMS_PER_ITERATION * 2 * side**3
+    return newton_gemms(iterations) * 2 * side**3
 
 
 def newton_root_gemm_bytes(side: int, iterations: int, gemm_bytes: int) -> int:
-    return iterations * NEWTON_GEMMS_PER_ITERATION * gemm_bytes * side * side
+    return newton_gemms(iterations) * gemm_bytes * side * side
 
 
 def newton_root_elementwise_flops(side: int) -> int:
@@ -551,7 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(records))
     print(
         "f: roots every f steps, amortised; GB: HBM bytes per step; x AdamW: DASH ms / AdamW ms in the same column.\n"
-        "eigh (DASH's default solver) is not modelled; eigh_break_even_ms in the JSON is what one eigh must beat."
+        "eigh (what auto picks on CPU) is not modelled; eigh_break_even_ms in the JSON is what one eigh must beat."
     )
     report = {"assumptions": assumptions(H100_SXM), "records": [asdict(record) for record in records]}
     print(f"\nwrote {write_json(args.out / RESULTS_NAME, report)}")

@@ -199,7 +199,7 @@ def test_a_newton_root_that_did_not_converge_counts_as_failed():
     param.grad = torch.randn(24, 24, generator=generator)
     optimizer.step()
     assert optimizer.root_failure_count == 1
-    assert float(optimizer.last_root_residual) > 0.19
+    assert float(optimizer.last_root_residual) > 0.34
     state = optimizer.state_dict()["state"][0]
     assert not state["root_valid"].any()
     # With no previous root the block followed Adam: on step one that is g / (|g| + eps).

@@ -71,7 +71,7 @@ def test_newton_root_flops_follow_the_planned_iterations():
     iterations = roofline.newton_db_iterations(torch.float32, 1024)
     assert 2 <= iterations <= 2 * 40  # two passes, each at most the planner's maximum
     assert roofline.newton_db_iterations(torch.bfloat16, 1024) < iterations  # a higher noise floor: fewer steps
-    assert roofline.newton_root_flops(1024, iterations) == iterations * 3 * 2 * 1024**3
+    assert roofline.newton_root_flops(1024, iterations) == 4 * (iterations - 1) * 2 * 1024**3
 
 
 def test_roofline_takes_the_binding_limit():

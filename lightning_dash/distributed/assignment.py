@@ -22,9 +22,10 @@ STEP_FLOPS_PER_TERM = 4
 ``G G^T`` and ``G^T G``, 2 for the direction ``L^{-1/4} M R^{-1/4}``."""
 
 ROOT_FLOPS_PER_CUBE = 12
-"""Root flops per ``b**3`` and iteration of the default ``newton_db`` solver: three
-``b^3`` matmuls per Newton-Schulz iteration, two passes for the fourth root
-(``root_iterations`` counts iterations per pass), 2 flops per multiply-add."""
+"""Root flops per ``b**3`` and iteration in the cost model: three ``b^3`` matmuls per
+iteration and two passes, as Newton-DB ran when the ownership plans and balance tables
+were made (its one-pass form now costs 4 matmuls per iteration, 8 flops per ``b**3``; only
+the ratio of root to statistics cost matters to the plan, so the constant was kept)."""
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -80,8 +80,10 @@ class SolverTable:
 #: on a 2-core AMD EPYC (KVM guest, 2.6 GHz), torch 2.13.0+cpu, 2026-11-24; stacks of 4M
 #: elements (16384 blocks of 16 ... 1 of 2048). eigh won at every size, 2.1x (16) to 11x
 #: (2048) faster than the fastest qualifying Newton solver: on CPU an eigendecomposition
-#: costs a few matmuls' worth of flops, while at the default damping Newton-DB runs 13 + 9
-#: iterations of 3 batched matmuls and coupled Newton 20 of 4. Even at 16384 blocks of 16,
+#: costs a few matmuls' worth of flops, while at the default damping Newton-DB ran 13 + 9
+#: iterations of 3 batched matmuls and coupled Newton 20 of 4. (Newton-DB has since become one
+#: pass of 44 matmuls, benchmarks/newton_cost.py: still 4.4-6.5x eigh's time, so the choice stands.)
+#: Even at 16384 blocks of 16,
 #: where torch's CPU eigh loops over the blocks, it took 15 us per block. Chebyshev never
 #: qualified (errors 0.3-0.85: its degree-40 interpolant is accurate only above ~7.5e-3 of
 #: the scale, and the default damping is 1e-6).

@@ -31,7 +31,8 @@ $(COMPOSER_VENV)/.installed: pyproject.toml
 
 test: test-lightning test-composer
 
-test-lightning: $(VENV)/.installed
+# The peer is installed when ../shared/peers has it, so that the tests of the peers benchmark run.
+test-lightning: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) -m pytest -q
 
 test-composer: $(COMPOSER_VENV)/.installed

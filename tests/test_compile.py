@@ -51,3 +51,24 @@ def test_compiled_steps_equal_eager_without_graph_breaks_recompiles_or_host_wait
     assert eager.nonfinite_grad_skips == compiled.nonfinite_grad_skips == 1
     for a, b in zip(eager_net.parameters(), compiled_net.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_steps_equal_eager_at_extreme_gradient_scales():
+    """The compiled kernels keep the eager path's safeguards (factors stored over a float64
+    scale, ``hypot`` second moments, one-pass float64 block norms): at 1e-30 and 1e20 the
+    float64 runs agree, and every parameter stays finite."""
+    for scale in (1e-30, 1e20):
+        eager_net, compiled_net = model(), model()
+        eager = DASH(eager_net.parameters(), lr=0.01, precondition_frequency=2, block_size=16)
+        compiled = DASH(compiled_net.parameters(), lr=0.01, precondition_frequency=2, block_size=16, compile=True)
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=generator, dtype=torch.float64)
+            for net, optimizer in ((eager_net, eager), (compiled_net, compiled)):
+                optimizer.zero_grad()
+                (scale * net(x).square().mean()).backward()
+                optimizer.step()
+        assert eager.nonfinite_grad_skips == compiled.nonfinite_grad_skips == 0
+        for a, b in zip(eager_net.parameters(), compiled_net.parameters(), strict=True):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

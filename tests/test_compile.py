@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -72,3 +73,32 @@ def test_compiled_steps_equal_eager_at_extreme_gradient_scales():
         for a, b in zip(eager_net.parameters(), compiled_net.parameters(), strict=True):
             assert torch.isfinite(b).all()
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_groups_with_different_hyperparameters_in_one_stack_equal_separate_optimizers(compile):
+    """Two groups whose blocks share stacks (and a flat vector buffer) but not their lr and
+    betas step exactly as two separate DASH optimizers would, in float64, also after one
+    vector stops getting gradients (per-block and per-element values expanded on the device)."""
+    torch.manual_seed(0)
+    shapes = [(8, 8), (5,), (8, 8), (7,)]
+    joint_params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    alone_params = [p.detach().clone().requires_grad_() for p in joint_params]
+    first, second = {"lr": 0.01}, {"lr": 0.02, "betas": (0.8, 0.9)}
+    options = {"precondition_frequency": 1, "block_size": 8}
+    joint = DASH(
+        [{"params": joint_params[:2], **first}, {"params": joint_params[2:], **second}], compile=compile, **options
+    )
+    alone = [DASH(alone_params[:2], **first, **options), DASH(alone_params[2:], **second, **options)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for p, q in zip(joint_params, alone_params, strict=True):
+            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        if step == 2:
+            joint_params[3].grad = alone_params[3].grad = None
+        joint.step()
+        for optimizer in alone:
+            optimizer.step()
+    for p, q in zip(joint_params, alone_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

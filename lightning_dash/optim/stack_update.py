@@ -49,18 +49,7 @@ def per_block(
     first = values[0]
     if all(value == first for value in values):
         return first
-    return expand_regions([values], counts, dtype, device)[0]
-
-
-def expand_regions(columns: list[list[float]], counts: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``(columns, sum(counts))``: each region's value repeated for its ``count`` blocks (or
-    elements), expanded on the device: the host uploads one value per region, however
-    many elements a region has, and the known output size spares a host wait."""
-    values = upload([value for column in columns for value in column], dtype, device).view(len(columns), -1)
-    if all(count == 1 for count in counts):
-        return values
-    repeats = upload(counts, torch.int64, device)
-    return values.repeat_interleave(repeats, dim=1, output_size=sum(counts))
+    return upload([value for value, count in zip(values, counts) for _ in range(count)], dtype, device)
 
 
 def block_table(
@@ -74,7 +63,8 @@ def block_table(
     """
     if not as_tensors:
         return [blockwise(per_block(column, counts, device, dtype)) for column in columns]
-    return list(expand_regions(columns, counts, dtype, device).view(len(columns), -1, 1, 1).unbind(0))
+    flat = [value for column in columns for value, count in zip(column, counts) for _ in range(count)]
+    return list(upload(flat, dtype, device).view(len(columns), -1, 1, 1).unbind(0))
 
 
 def blockwise(value: PerBlock) -> PerBlock:

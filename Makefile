@@ -1,4 +1,5 @@
-# Entry points: `make demo` runs the main job, `make test` runs the test suite, `make lint` runs ruff.
+# Entry points: `make demo` runs the main job (`make demo-quick`: a one-minute version), `make test` runs
+# the test suite, `make lint` runs ruff, `make docs` builds the documentation.
 # Each creates its virtual environments on first use: .venv (newest torch, Lightning)
 # and, for the Composer tests, .venv-composer (Composer pins torch < 2.7.1).
 PYTHON ?= python3
@@ -11,13 +12,13 @@ CPY := $(COMPOSER_VENV)/bin/python
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo test test-lightning test-composer lint bench bench-step clean
+.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[lightning,dev,bench,examples]"
+	$(PY) -m pip install --quiet -e ".[lightning,dev,bench,examples,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -37,6 +38,10 @@ test-lightning: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed
 
 test-composer: $(COMPOSER_VENV)/.installed
 	$(CPY) -m pytest -q tests/with_composer
+
+# The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
@@ -58,4 +63,4 @@ bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) benchmarks/step_time.py --suite peers
 
 clean:
-	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache site

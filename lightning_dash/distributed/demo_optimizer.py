@@ -36,7 +36,9 @@ class DeMo(torch.optim.Optimizer):
         synchronizer: an object with ``synchronize(grads: list[Tensor], keys: list[int])
             -> list[Tensor]`` (e.g. :class:`~lightning_dash.distributed.demo_synchronizer.DemoSynchronizer`);
             None builds a ``DemoSynchronizer(topk, chunk_size, momentum)`` on the default group.
-        topk, chunk_size, momentum: for the default synchronizer only.
+        topk: DCT coefficients kept per chunk (default synchronizer only).
+        chunk_size: largest chunk side (default synchronizer only).
+        momentum: decay of the local momentum (default synchronizer only).
 
     Keys passed to the synchronizer are parameter indices in ``param_groups`` order
     (the numbering of :meth:`state_dict`). Parameters without a gradient are skipped;

@@ -68,9 +68,9 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
 
     Args:
         config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
-            differ from the defaults override the values mapped from the user's optimizer.
-        DashConfig options: every DASH option by keyword (in the generated signature); one
-            that is not None overrides ``config`` and the mapped value.
+            differ from the defaults override the values mapped from the user's optimizer. Every
+            option is also a keyword of this signature (generated from DashConfig); one that is
+            not None overrides ``config`` and the mapped value.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
         allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
         communication_dtype: dtype of the all-gathered updates (float32 default).

@@ -125,8 +125,8 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         parallelize_fn: shards (or otherwise parallelises) the model, given it and the
             device mesh, as for Fabric's ``ModelParallelStrategy``; by default the model is
             sharded as described above.
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`.
-        DashConfig options: every DASH option by keyword (in the generated signature).
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is
+            also a keyword of this signature (generated from DashConfig).
         factor_decay: ``betas[1]`` of DASH.
         allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
         communication_dtype: dtype of the update rows sent back to the ranks holding them.

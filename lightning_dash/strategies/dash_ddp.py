@@ -87,10 +87,9 @@ class DashStrategy(DDPStrategy):
 
     Args:
         config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
-            differ from the defaults override the values mapped from the user's optimizer.
-        DashConfig options: every :class:`~lightning_dash.optim.DashConfig` option by keyword (they
-            appear in this signature, generated from DashConfig); one that is not None
-            overrides ``config`` and the value mapped from the user's optimizer
+            differ from the defaults override the values mapped from the user's optimizer. Every
+            option is also a keyword of this signature (generated from DashConfig); one that is
+            not None overrides ``config`` and the value mapped from the user's optimizer
             (:mod:`lightning_dash.integration.options` states the rule). With
             ``async_preconditioning`` each rank computes its due roots on a side CUDA stream.
         factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
@@ -101,8 +100,9 @@ class DashStrategy(DDPStrategy):
             (DDP's all-reduce is switched off; DeMo exchanges the top-k DCT components of
             each rank's local momentum and the decoded mean is what DASH sees as gradient;
             DASH's own gradient momentum ``betas[0]`` is then set to 0).
-        demo_topk, demo_chunk_size, demo_momentum: DeMo's coefficients kept per chunk,
-            largest chunk side and momentum decay.
+        demo_topk: DeMo's DCT coefficients kept per chunk.
+        demo_chunk_size: DeMo's largest chunk side.
+        demo_momentum: decay of DeMo's local momentum.
         **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`; a sharding option
             (:data:`SHARDING_OPTIONS`, e.g. ``sharding_strategy``) raises ``ValueError`` pointing to
             ``strategy="dash_fsdp"``.

@@ -90,9 +90,9 @@ class DashFSDPStrategy(ModelParallelStrategy):
     name and block and resume at any world size, and under ``strategy="dash"`` too.
 
     Args:
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`.
-        DashConfig options: every DASH option by keyword (in the generated signature),
-            as for :class:`~lightning_dash.strategies.DashStrategy`.
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is
+            also a keyword of this signature (generated from DashConfig), as for
+            :class:`~lightning_dash.strategies.DashStrategy`.
         factor_decay: ``betas[1]`` of DASH.
         allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
         communication_dtype: dtype of the update rows sent back to the ranks holding them.

@@ -123,7 +123,7 @@ def format_columns(header: list[str], rows: list[list[str]]) -> str:
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A Markdown table (for pasting into the README): a header, its rule, one line per row."""
+    """A Markdown table (for pasting into docs/benchmarks.md): a header, its rule, one line per row."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ machine).
 
 AdamW: ``betas=(0.9, 0.95)``, weight decay 0.01. DASH: the same betas and weight
 decay, Adam grafting (its second-moment decay 0.95 as AdamW's), ``block_size=256``,
-``precondition_frequency=10``, the default solver (eigh since 0.2; the README table was
+``precondition_frequency=10``, the default solver (eigh since 0.2; the table in docs/benchmarks.md was
 measured with 0.1, whose default was newton_db). Wall time counts
 training steps only (data, forward, backward, optimizer), not evaluations.
 

@@ -31,7 +31,7 @@ MATRIX_SCALINGS = ("frobenius", "power_iteration")
 AUTO = "auto"
 
 #: Relative damping of the factors (see ``epsilon``), chosen by measurement
-#: (``benchmarks/damping.py``, README: Damping).
+#: (``benchmarks/damping.py``; docs/benchmarks.md, Damping).
 DEFAULT_EPSILON = 1e-6
 
 

@@ -118,6 +118,9 @@ def _check_script(words: list[str]) -> str:
 
 
 def _check_make(target: str) -> str:
+    """``target`` has a rule in the Makefile and ``make -n`` accepts it (a .PHONY entry alone is no rule)."""
+    if not re.search(rf"^{re.escape(target)}:", (ROOT / "Makefile").read_text(), flags=re.M):
+        raise AssertionError(f"make {target}: no rule in the Makefile")
     result = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise AssertionError(f"make {target}: {result.stderr.strip()}")

@@ -14,6 +14,9 @@ Output (under ``--out``, default ``runs/``): one ``CSVLogger`` directory per run
 (validation loss against step and against wall time) and ``train_char_gpt.json``
 (the table printed at the end).
 
+The progress bar is on only when stdout is a terminal (``--progress-bar`` / ``--no-progress-bar``
+force it); a few known third-party notices are filtered (``lightning_dash.demos.quiet``).
+
 Learning rates: each optimizer's default is the one with the lowest final validation
 loss on the same grid {1.5e-3, 3e-3, 6e-3, 1.2e-2}, swept at the default settings with
 the same schedule (final validation loss, AdamW / DASH: 1.908 / 1.801, 1.695 / 1.557,
@@ -40,6 +43,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning_dash import DashStrategy
 from lightning_dash.demos import report
 from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, WallClock
+from lightning_dash.demos.quiet import progress_bar_wanted, quiet_third_party_output
 
 DEFAULT_LR = {"adamw": 6e-3, "dash": 1.2e-2}
 
@@ -67,7 +71,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed on a GPU")
     parser.add_argument("--out", type=Path, default=Path("runs"), help="directory for logs, plot and table")
-    parser.add_argument("--no-progress-bar", action="store_true")
+    parser.add_argument(
+        "--progress-bar",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show Lightning's progress bar (default: only when stdout is a terminal)",
+    )
     args = parser.parse_args(argv)
     if args.steps % args.val_every:
         parser.error(f"--steps ({args.steps}) must be a multiple of --val-every ({args.val_every})")
@@ -107,7 +116,7 @@ def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace
         logger=CSVLogger(args.out, name=name),
         callbacks=[WallClock(), LearningRateMonitor(logging_interval="step")],
         enable_checkpointing=False,
-        enable_progress_bar=not args.no_progress_bar,
+        enable_progress_bar=progress_bar_wanted(args.progress_bar),
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -117,6 +126,7 @@ def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run AdamW and DASH; print, save and return the comparison (rank 0 only)."""
     args = parse_args(argv)
+    quiet_third_party_output()
     given = {"adamw": args.lr_adamw, "dash": args.lr_dash}
     lrs = {name: next(lr for lr in (given[name], args.lr, DEFAULT_LR[name]) if lr is not None) for name in given}
     dash = DashStrategy(block_size=args.block_size, precondition_frequency=args.precondition_frequency)
@@ -130,7 +140,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     labels = {"adamw": "AdamW", "dash": "DASH"}
     histories = [report.read_history(labels[name], path) for name, path in zip(runs, paths)]
     rows = report.compare(histories, [lrs[name] for name in runs], paths)
-    print(f"\n{report.format_table(rows)}")
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     config.update(
         lr_adamw=lrs["adamw"],
@@ -145,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"batch {args.batch_size} x {args.devices}, lr AdamW {lrs['adamw']:g}, DASH {lrs['dash']:g}"
     )
     report.plot(histories, plot_path, title)
+    # The table comes last, so that it is what a terminal shows when the run ends.
     print(f"\nlogs: {', '.join(map(str, paths))}\ntable: {table_path}\nplot: {plot_path}")
+    print(f"\n{report.format_table(rows)}", flush=True)
     return {
         "rows": rows,
         "histories": histories,

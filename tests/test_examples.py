@@ -231,11 +231,11 @@ def third_party(lines: list[str], text: str) -> list[str]:
 def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filters):
     """Stdout and stderr are files (not a terminal): no progress bar, none of the filtered notices, the
     table last, and every warning from user code still shown. ``off`` shows that the notices do appear
-    without the filters (so the test sees them)."""
+    without the filters (so the test sees them), ``--quick`` that its files and settings are its own."""
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(QUIET_WRAPPER)
     settings = [a for a in TINY if a != "--no-progress-bar"]
-    settings += ["--steps", "20", "--val-every", "10", "--out", str(tmp_path / "out")]
+    settings += ["--quick", "--steps", "20", "--val-every", "10", "--out", str(tmp_path / "out")]
     command = [sys.executable, str(wrapper), str(EXAMPLES / "train_char_gpt.py"), filters, *settings]
     environment = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
     environment.pop("PYTHONWARNINGS", None)
@@ -268,4 +268,25 @@ def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filter
     assert [line.split()[0] for line in lines[header + 2 :]] == ["AdamW", "DASH"]  # nothing after the table
     assert any(line.startswith("table: ") for line in lines[:header])
 
-    assert (tmp_path / "out" / "train_char_gpt.png").is_file()
+    config = json.loads((tmp_path / "out" / "train_char_gpt_quick.json").read_text())["config"]
+    example_module = example("train_char_gpt")
+    assert config["steps"] == 20 and config["val_windows"] == 64 and config["max_bytes"] == 300_000  # flags win
+    assert config["val_windows"] != example_module.QUICK["val_windows"]
+    assert (config["lr_adamw"], config["lr_dash"]) == (
+        example_module.QUICK_LR["adamw"],
+        example_module.QUICK_LR["dash"],
+    )
+    assert (tmp_path / "out" / "train_char_gpt_quick.png").is_file()
+    assert list((tmp_path / "out" / "quick" / "dash").glob("version_*/metrics.csv"))
+    assert not (tmp_path / "out" / "train_char_gpt.json").exists()
+
+
+def test_quick_settings_are_defaults_that_flags_override():
+    module = example("train_char_gpt")
+    quick = module.parse_args(["--quick"])
+    assert {key: getattr(quick, key) for key in module.QUICK} == module.QUICK
+    assert quick.width == 128 and quick.context == 128  # the full run's model
+    mixed = module.parse_args(["--quick", "--steps", "300", "--val-every", "50"])
+    assert (mixed.steps, mixed.val_every, mixed.val_windows) == (300, 50, module.QUICK["val_windows"])
+    assert module.parse_args([]).steps == 800
+    assert module.parse_args([]).progress_bar is None and module.parse_args(["--no-progress-bar"]).progress_bar is False

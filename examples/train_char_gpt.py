@@ -35,12 +35,15 @@ the same schedule (final validation loss, AdamW / DASH: 1.908 / 1.801, 1.695 / 1
 from __future__ import annotations
 
 import argparse
+import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
@@ -152,6 +155,30 @@ def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace
     return trainer, time.perf_counter() - start
 
 
+def environment() -> dict[str, Any]:
+    """What the losses' last digits depend on (threads, versions, CPU kernels), for comparing runs."""
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name on Linux (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run AdamW and DASH; print, save and return the comparison (rank 0 only)."""
     args = parse_args(argv)
@@ -176,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lr_dash=lrs["dash"],
         fit_seconds={name: round(seconds, 2) for name, (_, seconds) in runs.items()},
         optimizers={name: type(trainer.optimizers[0]).__name__ for name, (trainer, _) in runs.items()},
+        environment=environment(),
     )
     stem = "train_char_gpt_quick" if args.quick else "train_char_gpt"
     table_path, plot_path = args.out / f"{stem}.json", args.out / f"{stem}.png"

@@ -276,6 +276,7 @@ def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filter
         example_module.QUICK_LR["adamw"],
         example_module.QUICK_LR["dash"],
     )
+    assert config["environment"]["torch_num_threads"] == 1 and config["environment"]["torch"] == torch.__version__
     assert (tmp_path / "out" / "train_char_gpt_quick.png").is_file()
     assert list((tmp_path / "out" / "quick" / "dash").glob("version_*/metrics.csv"))
     assert not (tmp_path / "out" / "train_char_gpt.json").exists()

@@ -24,6 +24,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/train_char_gpt.py
 
+demo-quick: $(VENV)/.installed
+	$(PY) examples/train_char_gpt.py --quick
+
 $(COMPOSER_VENV)/.installed: pyproject.toml
 	test -x $(CPY) || $(PYTHON) -m venv $(COMPOSER_VENV)
 	$(CPY) -m pip install --quiet --upgrade pip

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dash  # noqa: F401  (registers strategy="dash")
 from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes
+from lightning_dash.demos.quiet import progress_bar_wanted, quiet_third_party_output
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs"))
-    parser.add_argument("--no-progress-bar", action="store_true")
+    parser.add_argument(
+        "--progress-bar",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show Lightning's progress bar (default: only when stdout is a terminal)",
+    )
     return parser.parse_args(argv)
 
 
@@ -62,7 +68,7 @@ def trainer(args: argparse.Namespace, name: str, steps: int, strategy: str, **kw
         num_sanity_val_steps=0,
         log_every_n_steps=10,
         logger=CSVLogger(args.out / "finetune_existing", name=name),
-        enable_progress_bar=not args.no_progress_bar,
+        enable_progress_bar=progress_bar_wanted(args.progress_bar),
         enable_model_summary=False,
         **kwargs,
     )
@@ -71,6 +77,7 @@ def trainer(args: argparse.Namespace, name: str, steps: int, strategy: str, **kw
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train with AdamW, fine-tune the checkpoint with DASH; return the losses and the DASH trainer."""
     args = parse_args(argv)
+    quiet_third_party_output()
     data = dict(
         context=args.context, batch_size=args.batch_size, val_windows=args.val_windows, max_bytes=args.max_bytes
     )

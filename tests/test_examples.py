@@ -195,3 +195,99 @@ def test_fabric_gpt_without_litgpt_says_so_and_stops(capsys, monkeypatch):
     monkeypatch.setattr(module, "find_spec", lambda name: None)
     assert module.main([]) is None
     assert "LitGPT is not installed (pip install litgpt)" in capsys.readouterr().out
+
+
+#: Runs an example as ``__main__`` the way a user does, on a machine that Lightning's data connector
+#: thinks has 8 cores (on 2 it does not warn about ``num_workers``), optionally without the filters;
+#: then raises warnings from user code, some with the filtered messages' text and category.
+QUIET_WRAPPER = """
+import runpy, sys, warnings
+import lightning.fabric.utilities.data as fabric_data
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+import lightning_dash.demos.quiet as quiet
+
+script, filters, *argv = sys.argv[1:]
+fabric_data._num_cpus_available = lambda: 8
+if filters == "off":
+    quiet.quiet_third_party_output = lambda: None
+sys.argv = [script, *argv]
+runpy.run_path(script, run_name="__main__")
+warnings.warn("user warning from the wrapper", UserWarning)
+warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated (user code)", FutureWarning)
+warnings.warn("The 'train_dataloader' does not have many workers which may be a bottleneck (user code)",
+              PossibleUserWarning)
+"""
+
+LEAFSPEC = "`isinstance(treespec, LeafSpec)` is deprecated"
+FEW_WORKERS = "does not have many workers which may be a bottleneck"
+TIP = "💡 Tip: For seamless cloud"
+
+
+def third_party(lines: list[str], text: str) -> list[str]:
+    return [line for line in lines if text in line and "(user code)" not in line]
+
+
+@pytest.mark.parametrize("filters", ["on", "off"])
+def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filters):
+    """Stdout and stderr are files (not a terminal): no progress bar, none of the filtered notices, the
+    table last, and every warning from user code still shown. ``off`` shows that the notices do appear
+    without the filters (so the test sees them), ``--quick`` that its files and settings are its own."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(QUIET_WRAPPER)
+    settings = [a for a in TINY if a != "--no-progress-bar"]
+    settings += ["--quick", "--steps", "20", "--val-every", "10", "--out", str(tmp_path / "out")]
+    command = [sys.executable, str(wrapper), str(EXAMPLES / "train_char_gpt.py"), filters, *settings]
+    environment = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+    environment.pop("PYTHONWARNINGS", None)
+    # This checkout's lightning_dash, whatever the interpreter has installed.
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), environment.get("PYTHONPATH")]))
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=environment, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out, err = result.stdout, result.stderr
+    err_lines = err.splitlines()
+
+    for stream in (out, err):
+        assert "\r" not in stream and "it/s" not in stream and "Epoch 0" not in stream
+    for text in ("user warning from the wrapper", f"{LEAFSPEC} (user code)", f"{FEW_WORKERS} (user code)"):
+        assert text in err
+    assert "GPU available: False, used: False" in err  # Lightning's device summary stays
+    if filters == "on":
+        assert not third_party(err_lines, LEAFSPEC)
+        assert not third_party(err_lines, FEW_WORKERS)
+        assert TIP not in err + out
+    else:
+        assert third_party(err_lines, FEW_WORKERS) and TIP in err
+        if getattr(torch.utils._pytree.LeafSpec, "__deprecated__", None):  # torch >= 2.10
+            assert third_party(err_lines, LEAFSPEC)
+
+    lines = [line for line in out.splitlines() if line.strip()]
+    header = next(i for i, line in enumerate(lines) if line.startswith("optimizer ") and "final val loss" in line)
+    assert set(lines[header + 1]) == {"-"}
+    assert [line.split()[0] for line in lines[header + 2 :]] == ["AdamW", "DASH"]  # nothing after the table
+    assert any(line.startswith("table: ") for line in lines[:header])
+
+    config = json.loads((tmp_path / "out" / "train_char_gpt_quick.json").read_text())["config"]
+    example_module = example("train_char_gpt")
+    assert config["steps"] == 20 and config["val_windows"] == 64 and config["max_bytes"] == 300_000  # flags win
+    assert config["val_windows"] != example_module.QUICK["val_windows"]
+    assert (config["lr_adamw"], config["lr_dash"]) == (
+        example_module.QUICK_LR["adamw"],
+        example_module.QUICK_LR["dash"],
+    )
+    assert config["environment"]["torch_num_threads"] == 1 and config["environment"]["torch"] == torch.__version__
+    assert (tmp_path / "out" / "train_char_gpt_quick.png").is_file()
+    assert list((tmp_path / "out" / "quick" / "dash").glob("version_*/metrics.csv"))
+    assert not (tmp_path / "out" / "train_char_gpt.json").exists()
+
+
+def test_quick_settings_are_defaults_that_flags_override():
+    module = example("train_char_gpt")
+    quick = module.parse_args(["--quick"])
+    assert {key: getattr(quick, key) for key in module.QUICK} == module.QUICK
+    assert quick.width == 128 and quick.context == 128  # the full run's model
+    mixed = module.parse_args(["--quick", "--steps", "300", "--val-every", "50"])
+    assert (mixed.steps, mixed.val_every, mixed.val_windows) == (300, 50, module.QUICK["val_windows"])
+    assert module.parse_args([]).steps == 800
+    assert module.parse_args([]).progress_bar is None and module.parse_args(["--no-progress-bar"]).progress_bar is False

@@ -259,7 +259,7 @@ def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filter
         assert TIP not in err + out
     else:
         assert third_party(err_lines, FEW_WORKERS) and TIP in err
-        if getattr(torch.utils._pytree.LeafSpec, "__deprecated__", None):  # torch >= 2.10
+        if getattr(torch.utils._pytree.LeafSpec, "__deprecated__", None):  # deprecated in this torch
             assert third_party(err_lines, LEAFSPEC)
 
     lines = [line for line in out.splitlines() if line.strip()]

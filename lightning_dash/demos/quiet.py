@@ -42,7 +42,7 @@ class _DropLightningTips(logging.Filter):
 
 def quiet_third_party_output() -> None:
     """Install the filters below in this process (idempotent)."""
-    # torch >= 2.10 deprecated ``torch.utils._pytree.LeafSpec`` (FutureWarning from its constructor), and
+    # torch (2.13 here) deprecates ``torch.utils._pytree.LeafSpec`` (FutureWarning from its constructor), and
     # Lightning 2.6's own copy of ``tree_flatten`` (lightning/pytorch/utilities/_pytree.py, used to move
     # batches and logged values) still constructs one. It is Lightning's to fix, nothing the user calls.
     warnings.filterwarnings(

@@ -52,7 +52,7 @@ from common import RESULTS_DIR, format_columns, write_json
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.row_exchange import exchange_for, plan_pieces, row_ranges
-from lightning_dash.optim.blocks import matrix_shape
+from lightning_dash.optim.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.config import DashConfig
 from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
 
@@ -184,7 +184,8 @@ def sharded_plan(
     scratch (a distributor that has not planned before).
     """
     start = time.perf_counter()
-    regions = matrix_regions(params, block_size)
+    views = [MatrixView.of(p.shape) if p.dim() >= 2 and p.numel() > 0 else None for p in params]
+    regions = matrix_regions(views, block_size)
     tiles = [tile for region in regions for tile in region.single_tiles()]
     costs = [block_cost(*tile.block_shape, precondition_frequency, root_iterations) for tile in tiles]
     owners = lpt_assign(costs, world_size)

@@ -23,6 +23,8 @@ NON_DEFAULT: dict[str, Any] = {
     "relative_epsilon": False,
     "weight_decay": 0.25,
     "block_size": 7,
+    "precondition": "hidden",
+    "split_rows": (("layer", 2),),
     "precondition_frequency": 5,
     "start_preconditioning_step": 3,
     "inverse_root_method": "coupled_newton",
@@ -46,6 +48,8 @@ NON_DEFAULT: dict[str, Any] = {
 _OPTIMIZER_WIDE: dict[str, Callable[[DASH], Any]] = {
     "relative_epsilon": lambda dash: dash.root_settings.relative_epsilon,
     "block_size": lambda dash: dash.block_size,
+    "precondition": lambda dash: dash.precondition,
+    "split_rows": lambda dash: dash.split_rows,
     "inverse_root_method": lambda dash: dash.root_settings.method,
     "matrix_scaling": lambda dash: dash.root_settings.scaling,
     "matmul_dtype": lambda dash: str(dash.root_settings.matmul_dtype).removeprefix("torch."),

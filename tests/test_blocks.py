@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dash.optim.blocks import matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.blocks import MatrixView, matrix_shape, param_regions, stack_regions
 
 
 @pytest.mark.parametrize("shape", [(1030, 17), (7, 5), (16, 27), (768, 256), (2048, 2048), (1, 9), (13, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 7, 1024])
 def test_regions_cover_every_element_once(shape, block_size):
     coverage = torch.zeros(shape, dtype=torch.int64)
-    for region in param_regions(0, shape, block_size):
+    for region in param_regions(0, MatrixView(*shape), block_size):
         rows, cols = region.block_shape
         assert rows <= block_size and cols <= block_size
         region.window(coverage).add_(1)
@@ -20,9 +20,9 @@ def test_regions_cover_every_element_once(shape, block_size):
 
 
 def test_tile_shapes_follow_the_blocking_rule():
-    regions = param_regions(0, (1030, 17), 1024)
+    regions = param_regions(0, MatrixView(1030, 17), 1024)
     assert [(r.block_shape, r.num_blocks) for r in regions] == [((1024, 17), 1), ((6, 17), 1)]
-    regions = param_regions(0, (2500, 2100), 1024)
+    regions = param_regions(0, MatrixView(2500, 2100), 1024)
     assert [(r.block_shape, r.num_blocks) for r in regions] == [
         ((1024, 1024), 4),
         ((1024, 52), 2),
@@ -37,7 +37,9 @@ def test_conv_kernels_are_viewed_as_out_by_in_times_kernel():
 
 def plan_stacks(shapes, block_size):
     """Stacks of the tiles of every matrix (index -> shape), by block shape."""
-    regions = [region for index in sorted(shapes) for region in param_regions(index, shapes[index], block_size)]
+    regions = [
+        region for index in sorted(shapes) for region in param_regions(index, MatrixView(*shapes[index]), block_size)
+    ]
     return {plan.block_shape: plan for plan in stack_regions(regions)}
 
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dash.optim.blocks import matrix_shape, param_regions
+from lightning_dash.optim.blocks import MatrixView, param_regions
 
 STEP_FLOPS_PER_TERM = 4
 """Per-step flops per ``rows * cols * (rows + cols)``: 2 for the factor updates
@@ -118,7 +118,9 @@ def plan_ownership(costs: Sequence[float], world_size: int) -> OwnershipPlan:
 
 
 def block_shapes(param_shapes: Sequence[Sequence[int]], block_size: int) -> list[tuple[int, int]]:
-    """Tile shapes of every parameter of two or more dimensions, in block order.
+    """Tile shapes of every parameter of two or more dimensions, in block order, each
+    viewed as one ``(shape[0], rest)`` matrix (the optimizer's default view; a 3-D
+    stack of experts under DASH is one matrix per expert, see :mod:`lightning_dash.optim.routing`).
 
     Parameters in order; within one, the regions of
     :func:`~lightning_dash.optim.blocks.param_regions` in order and each region's
@@ -129,7 +131,7 @@ def block_shapes(param_shapes: Sequence[Sequence[int]], block_size: int) -> list
     for index, shape in enumerate(param_shapes):
         if len(shape) < 2:
             continue
-        for region in param_regions(index, matrix_shape(tuple(shape)), block_size):
+        for region in param_regions(index, MatrixView.of(tuple(shape)), block_size):
             shapes.extend([region.block_shape] * region.num_blocks)
     return shapes
 

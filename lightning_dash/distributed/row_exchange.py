@@ -11,7 +11,9 @@ in one ``all_to_all`` each, in an order both sides agree on without any metadata
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from torch import Tensor
 
 from lightning_dash.optim.blocks import StackPlan
 
@@ -52,15 +54,31 @@ class Piece:
         return self.height * self.width
 
 
-def plan_pieces(rank_plans: list[list[StackPlan]], shapes: dict[int, tuple[int, int]], world_size: int) -> list[Piece]:
+def view_row_ranges(view_rows: int, leading: int, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's rows of a matrix view of ``view_rows`` rows of a parameter whose first
+    dimension, the one FSDP2 shards, has ``leading`` entries (a stack of experts viewed
+    as one matrix per expert has ``view_rows / leading`` rows per entry)."""
+    per_entry = view_rows // leading if leading else 1
+    return [(start * per_entry, end * per_entry) for start, end in row_ranges(leading, world_size)]
+
+
+def plan_pieces(
+    rank_plans: list[list[StackPlan]],
+    shapes: dict[int, tuple[int, int]],
+    world_size: int,
+    leading: dict[int, int] | None = None,
+) -> list[Piece]:
     """Every piece of every rank's blocks, in the canonical order: owner, its stack,
-    block, then holder. ``shapes`` are the matrix views of the parameters by index."""
+    block, then holder. ``shapes`` are the matrix views of the parameters by index,
+    ``leading`` their first dimensions where the view's rows differ from it."""
+    leading = leading or {}
     pieces = []
     for owner, plans in enumerate(rank_plans):
         for stack, plan in enumerate(plans):
             block_rows, block_cols = plan.block_shape
             for region in plan.regions:
-                ranges = row_ranges(shapes[region.param_index][0], world_size)
+                rows = shapes[region.param_index][0]
+                ranges = view_row_ranges(rows, leading.get(region.param_index, rows), world_size)
                 for offset, tile in enumerate(region.single_tiles()):
                     top, left = tile.row_start, tile.col_start
                     for holder, (start, end) in enumerate(ranges):
@@ -88,13 +106,18 @@ class RowExchange:
     ``outgoing[r]``: the pieces this rank holds of rank ``r``'s blocks (gradients go
     out in this order, updates come back in it); ``incoming[r]``: the pieces of this
     rank's blocks that rank ``r`` holds; ``first_rows``: this rank's first row of each
-    parameter.
+    parameter's matrix view, ``columns`` the view's columns.
     """
 
     rank: int
     outgoing: list[list[Piece]]
     incoming: list[list[Piece]]
     first_rows: dict[int, int]
+    columns: dict[int, int] = field(default_factory=dict)
+
+    def local_matrix(self, param_index: int, local: Tensor) -> Tensor:
+        """This rank's shard of parameter ``param_index`` as rows of its matrix view."""
+        return local.view(-1, self.columns[param_index])
 
     @property
     def outgoing_sizes(self) -> list[int]:
@@ -111,8 +134,15 @@ class RowExchange:
         return sum(out) - out[self.rank] + sum(back) - back[self.rank]
 
 
-def exchange_for(pieces: list[Piece], rank: int, world_size: int, shapes: dict[int, tuple[int, int]]) -> RowExchange:
+def exchange_for(
+    pieces: list[Piece],
+    rank: int,
+    world_size: int,
+    shapes: dict[int, tuple[int, int]],
+    leading: dict[int, int] | None = None,
+) -> RowExchange:
     """The side of ``rank`` of the exchange of ``pieces`` (see :func:`plan_pieces`)."""
+    leading = leading or {}
     outgoing: list[list[Piece]] = [[] for _ in range(world_size)]
     incoming: list[list[Piece]] = [[] for _ in range(world_size)]
     for piece in pieces:
@@ -120,5 +150,8 @@ def exchange_for(pieces: list[Piece], rank: int, world_size: int, shapes: dict[i
             outgoing[piece.owner].append(piece)
         if piece.owner == rank:
             incoming[piece.holder].append(piece)
-    first_rows = {index: row_ranges(rows, world_size)[rank][0] for index, (rows, _) in shapes.items()}
-    return RowExchange(rank, outgoing, incoming, first_rows)
+    first_rows = {
+        index: view_row_ranges(rows, leading.get(index, rows), world_size)[rank][0]
+        for index, (rows, _) in shapes.items()
+    }
+    return RowExchange(rank, outgoing, incoming, first_rows, {index: cols for index, (_, cols) in shapes.items()})

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, plan_pieces, row_ranges
-from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, masked
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM
@@ -67,7 +67,7 @@ class _RowUpdates:
             for piece in pieces:
                 local = _local(params[piece.param_index])
                 first = self.exchange.first_rows[piece.param_index]
-                matrix = local.view(local.shape[0], -1)
+                matrix = self.exchange.local_matrix(piece.param_index, local)
                 rows = slice(piece.rows[0] - first, piece.rows[1] - first)
                 update = received[offset : offset + piece.numel].view(piece.height, piece.width)
                 matrix[rows, piece.cols[0] : piece.cols[1]].add_(update.to(local.dtype))
@@ -123,8 +123,10 @@ class ShardedDistributor(ProcessGroupDistributor):
             frequencies=[frequency for _, frequency in tiles],
         )
         rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, self.world_size)]
-        shapes = {index: matrix_shape(param.shape) for index, param in enumerate(params) if param.dim() >= 2}
-        self._rows = exchange_for(plan_pieces(rank_plans, shapes, self.world_size), self.rank, self.world_size, shapes)
+        shapes = {region.param_index: region.view.shape for region in regions}
+        leading = {index: int(params[index].shape[0]) for index in shapes}
+        pieces = plan_pieces(rank_plans, shapes, self.world_size, leading)
+        self._rows = exchange_for(pieces, self.rank, self.world_size, shapes, leading)
         self._plans = rank_plans[self.rank]
         return self._plans
 
@@ -153,7 +155,7 @@ class ShardedDistributor(ProcessGroupDistributor):
                 if grad is not None:
                     local = _local(grad)
                     first = rows.first_rows[piece.param_index]
-                    part = local.reshape(local.shape[0], -1)[piece.rows[0] - first : piece.rows[1] - first]
+                    part = rows.local_matrix(piece.param_index, local)[piece.rows[0] - first : piece.rows[1] - first]
                     send[offset : offset + piece.numel].view(piece.height, piece.width).copy_(
                         part[:, piece.cols[0] : piece.cols[1]]
                     )

@@ -111,7 +111,7 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return convert(self.conversion, optimizer)
+        return convert(self.conversion, optimizer, modules=self.trained_modules)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -205,7 +205,7 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = param_names(optimizer.param_groups) if named is not None else None
         check_row_sharded(params, names, dist.get_world_size() if dist.is_initialized() else 1)
-        return convert(self.conversion, optimizer, sharded_parameters=True)
+        return convert(self.conversion, optimizer, sharded_parameters=True, modules=self.trained_modules)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -31,11 +31,21 @@ from lightning_dash.strategies.optimizer_swap import track_scheduler_calls
 ParameterNames = dict[int, tuple[weakref.ref, str]]
 
 
-def convert(conversion: ConversionOptions, optimizer: Optimizer, *, sharded_parameters: bool = False) -> DASH:
+def convert(
+    conversion: ConversionOptions,
+    optimizer: Optimizer,
+    *,
+    sharded_parameters: bool = False,
+    modules: list[nn.Module] | None = None,
+) -> DASH:
     """``optimizer`` as DASH with its blocks owned across the ranks (a DASH is kept as it is),
     sharing its parameter-group dictionaries (also after a checkpoint is loaded), so a
-    scheduler attached to ``optimizer`` keeps driving it, without warnings."""
-    dash = conversion.convert(optimizer, sharded_parameters=sharded_parameters)
+    scheduler attached to ``optimizer`` keeps driving it, without warnings. The latest of
+    ``modules`` that holds every parameter of ``optimizer`` is the model DASH is told
+    about (for ``precondition="hidden"``)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    model = next((m for m in reversed(modules or []) if params <= {id(p) for p in m.parameters()}), None)
+    dash = conversion.convert(optimizer, sharded_parameters=sharded_parameters, model=model)
     if dash is not optimizer:
         track_scheduler_calls(dash, source=optimizer)
     return dash
@@ -43,7 +53,18 @@ def convert(conversion: ConversionOptions, optimizer: Optimizer, *, sharded_para
 
 class SchedulerFollowsConversion:
     """Fabric strategy mixin (put it before the Fabric base class): the scheduler given to
-    ``fabric.setup(model, optimizer, scheduler=...)`` is pointed at the DASH its optimizer became."""
+    ``fabric.setup(model, optimizer, scheduler=...)`` is pointed at the DASH its optimizer
+    became, and the modules set up are remembered (:attr:`trained_modules`) so that DASH
+    knows the model its parameters belong to."""
+
+    @property
+    def trained_modules(self) -> list[nn.Module]:
+        """The modules given to ``setup_module`` so far (unwrapped), oldest first."""
+        return self.__dict__.setdefault("_trained_modules", [])
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.trained_modules.append(module)
+        return super().setup_module(module)  # type: ignore[misc]
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None

@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dash.distributed import ShardedDistributor, shard_across_ranks
@@ -100,12 +101,16 @@ class ConversionOptions:
             overrides, factor_decay, False if allow_custom_step is None else allow_custom_step, communication_dtype
         )
 
-    def convert(self, optimizer: Optimizer, *, sharded_parameters: bool = False) -> DASH:
+    def convert(
+        self, optimizer: Optimizer, *, sharded_parameters: bool = False, model: nn.Module | None = None
+    ) -> DASH:
         """``optimizer`` as DASH over its own parameter groups (so its schedulers keep
         working), with these options, and its blocks owned across the ranks of the
         default process group when several are running. ``sharded_parameters``: the
         parameters are FSDP2 row shards (DTensors), exchanged by a
         :class:`~lightning_dash.distributed.ShardedDistributor` (also in one process).
+        ``model``: the module being trained, whose embeddings and output layer the
+        ``precondition`` option recognises (:meth:`DASH.attach_model`).
 
         A DASH optimizer is kept as it is: the overrides are not applied to it (a
         warning names them).
@@ -126,6 +131,8 @@ class ConversionOptions:
             dash = DASH.from_optimizer(
                 optimizer, **self.overrides, **conversion, allow_custom_step=self.allow_custom_step
             )
+        if model is not None:
+            dash.attach_model(model)
         if sharded_parameters:
             dash.distributor = ShardedDistributor(
                 communication_dtype=self.communication_dtype, root_iterations=dash.root_settings.iterations or 10

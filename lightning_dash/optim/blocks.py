@@ -1,9 +1,11 @@
 """Cutting parameters into Shampoo blocks and grouping equal shapes into stacks.
 
-A parameter of two or more dimensions is viewed as a matrix ``(shape[0], rest)``
-and cut into ``block_size`` x ``block_size`` tiles from the top-left; the last
-row and column of tiles hold the remainders. Tiles of one shape that are
-adjacent in a parameter form a *region* (at most four per parameter: the full
+A preconditioned parameter is viewed as a matrix (its :class:`MatrixView`): by
+default ``(shape[0], rest)``; a stack of expert matrices or a fused projection is
+viewed as ``parts`` matrices one above the other. Each part is cut into
+``block_size`` x ``block_size`` tiles from its top-left; its last row and column
+of tiles hold the remainders, so no tile spans two parts. Tiles of one shape
+that are adjacent in a part form a *region* (at most four per part: the full
 tiles, the right strip, the bottom strip and the corner). All blocks of one
 shape, across every parameter, form a *stack* that is processed as one
 ``(n, rows, cols)`` tensor.
@@ -19,8 +21,45 @@ from torch import Tensor
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """The 2D view used for preconditioning: ``(shape[0], prod(shape[1:]))``."""
+    """The default 2D view of a parameter: ``(shape[0], prod(shape[1:]))``."""
     return int(shape[0]), int(math.prod(shape[1:]))
+
+
+@dataclass(frozen=True)
+class MatrixView:
+    """A parameter seen as ``parts`` matrices of ``part_rows x cols``, stacked by rows
+    (a contiguous parameter is this ``(parts * part_rows, cols)`` matrix without a copy)."""
+
+    part_rows: int
+    cols: int
+    parts: int = 1
+
+    @classmethod
+    def of(cls, shape: torch.Size | tuple[int, ...]) -> MatrixView:
+        """The default view: one ``(shape[0], prod(shape[1:]))`` matrix."""
+        rows, cols = matrix_shape(shape)
+        return cls(rows, cols)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts * self.part_rows, self.cols
+
+    def tile_rows_per_part(self, block_size: int) -> int:
+        return -(-self.part_rows // block_size)
+
+    def grid(self, block_size: int) -> tuple[int, int]:
+        """Tiles down and across the whole view."""
+        return self.parts * self.tile_rows_per_part(block_size), -(-self.cols // block_size)
+
+    def tile_row(self, row_start: int, block_size: int) -> int:
+        """The grid row of the tile whose first matrix row is ``row_start``."""
+        part, within = divmod(row_start, self.part_rows)
+        return part * self.tile_rows_per_part(block_size) + within // block_size
+
+    def tile_height(self, tile_row: int, block_size: int) -> int:
+        """Rows of the tiles in grid row ``tile_row``."""
+        within = tile_row % self.tile_rows_per_part(block_size)
+        return min(block_size, self.part_rows - within * block_size)
 
 
 @dataclass(frozen=True)
@@ -33,6 +72,7 @@ class Region:
     tile_rows: int
     tile_cols: int
     block_shape: tuple[int, int]
+    view: MatrixView
     stack_offset: int = 0
 
     @property
@@ -43,7 +83,15 @@ class Region:
         """This region as one-tile regions, in row-major order."""
         rows, cols = self.block_shape
         return [
-            Region(self.param_index, self.row_start + row * rows, self.col_start + col * cols, 1, 1, self.block_shape)
+            Region(
+                self.param_index,
+                self.row_start + row * rows,
+                self.col_start + col * cols,
+                1,
+                1,
+                self.block_shape,
+                self.view,
+            )
             for row in range(self.tile_rows)
             for col in range(self.tile_cols)
         ]
@@ -93,13 +141,23 @@ def _splits(length: int, block_size: int) -> list[tuple[int, int, int]]:
     return runs
 
 
-def param_regions(param_index: int, shape: tuple[int, int], block_size: int) -> list[Region]:
-    """Regions of one parameter's matrix view, in row-major tile order."""
-    rows, cols = shape
+def param_regions(param_index: int, view: MatrixView, block_size: int) -> list[Region]:
+    """Regions of one parameter's matrix view, part by part, in row-major tile order."""
     regions = []
-    for row_start, tile_rows, block_rows in _splits(rows, block_size):
-        for col_start, tile_cols, block_cols in _splits(cols, block_size):
-            regions.append(Region(param_index, row_start, col_start, tile_rows, tile_cols, (block_rows, block_cols)))
+    for part in range(view.parts):
+        for row_start, tile_rows, block_rows in _splits(view.part_rows, block_size):
+            for col_start, tile_cols, block_cols in _splits(view.cols, block_size):
+                regions.append(
+                    Region(
+                        param_index,
+                        part * view.part_rows + row_start,
+                        col_start,
+                        tile_rows,
+                        tile_cols,
+                        (block_rows, block_cols),
+                        view,
+                    )
+                )
     return regions
 
 
@@ -152,7 +210,7 @@ def add_stacks(params: list[Tensor], updates: list[tuple[StackPlan, Tensor]]) ->
     for plan, update in updates:
         for region in plan.regions:
             param = params[region.param_index]
-            shape = matrix_shape(param.shape)
+            shape = region.view.shape
             if param.is_contiguous():
                 targets += region.matrix_tiles(param.view(shape))
                 sources += region.stack_tiles(update)

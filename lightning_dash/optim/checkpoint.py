@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import matrix_shape
+from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.distributor import BlockDistributor
 from lightning_dash.optim.layout import Layout, export_layout, param_names
 from lightning_dash.optim.state import (
@@ -24,7 +24,6 @@ from lightning_dash.optim.state import (
     MOMENTUM,
     ROOT_FAILURES,
     ROOT_VALID,
-    grid_shape,
 )
 
 #: The optimizer-wide counters a state dict carries under ``"dash"`` (with ``grafting``).
@@ -73,7 +72,9 @@ DASH_GROUP_KEYS = (
 )
 
 
-def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], block_size: int) -> None:
+def check_loadable(
+    state_dict: dict, params: list[Tensor], views: list[MatrixView | None], names: list[str], block_size: int
+) -> None:
     """Reject, with a ``ValueError`` naming the problem, a state dict DASH cannot resume
     from: another optimizer's, one whose block layout differs from ``block_size`` for
     these ``params`` (in state-dict order), or one holding non-finite statistics.
@@ -96,7 +97,7 @@ def check_loadable(state_dict: dict, params: list[Tensor], names: list[str], blo
         for item, value in entry.items():
             if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise ValueError(f"load_state_dict: saved {item} of {name} holds non-finite values")
-        _check_tiles(entry, param, name, block_size)
+        _check_tiles(entry, views[position], param, name, block_size)
 
 
 def check_same_layout(state_dict: dict, current: dict[str, Any]) -> None:
@@ -132,27 +133,23 @@ def check_same_names(state_dict: dict, param_groups: list[dict[str, Any]]) -> No
         )
 
 
-def _check_tiles(entry: dict, param: Tensor, name: str, block_size: int) -> None:
-    if param.dim() < 2 or param.numel() == 0:
+def _check_tiles(entry: dict, view: MatrixView | None, param: Tensor, name: str, block_size: int) -> None:
+    if view is None:
         return
-    shape = matrix_shape(param.shape)
-    rows, cols = grid_shape(shape, block_size)
+    shape = view.shape
+    rows, cols = view.grid(block_size)
     for item, value in entry.items():
         key, _, tile = item.rpartition("_")
         key, _, row = key.rpartition("_")
         if key not in FACTOR_KEYS:
             continue
         i, j = int(row), int(tile)
-        side = (
-            min(block_size, shape[0] - i * block_size)
-            if key.startswith("left")
-            else (min(block_size, shape[1] - j * block_size))
-        )
+        side = view.tile_height(i, block_size) if key.startswith("left") else min(block_size, shape[1] - j * block_size)
         if i >= rows or j >= cols or tuple(value.shape) != (side, side):
             raise ValueError(
                 f"load_state_dict: saved {item} of {name} {tuple(value.shape)} does not fit "
                 f"block_size={block_size} for a parameter of shape {tuple(param.shape)}; was it "
-                "saved with another block_size or for another model?"
+                "saved with another block_size, precondition or split_rows, or for another model?"
             )
     for item in (ROOT_VALID, ROOT_FAILURES):
         if item in entry and tuple(entry[item].shape) != (rows, cols):
@@ -194,6 +191,9 @@ class DashStateDict(torch.optim.Optimizer):
     def _settle_roots(self, collective: bool) -> None:
         raise NotImplementedError
 
+    def _param_views(self) -> list[MatrixView | None]:
+        raise NotImplementedError
+
     def owned_tiles(self) -> dict[str, list[tuple[int, int]]]:
         """The blocks this process owns, as ``(i, j)`` tile positions per parameter name
         (the keys of :meth:`sharded_state_dict`); plans the ownership if not done yet."""
@@ -202,7 +202,7 @@ class DashStateDict(torch.optim.Optimizer):
         for stack in layout.stacks:
             for region in stack.plan.regions:
                 for tile in region.single_tiles():
-                    position = (tile.row_start // self.block_size, tile.col_start // self.block_size)
+                    position = (tile.view.tile_row(tile.row_start, self.block_size), tile.col_start // self.block_size)
                     owned.setdefault(layout.names[tile.param_index], []).append(position)
         return owned
 
@@ -324,7 +324,9 @@ class DashStateDict(torch.optim.Optimizer):
         # "auto" takes a checkpoint of any solver: the roots are recomputed at the next refresh.
         fixed = {name: getattr(self, name) for name in LAYOUT_OPTIONS if getattr(self, name) != "auto"}
         check_same_layout(state_dict, fixed)
-        check_loadable(state_dict, self._flat_params(), param_names(self.param_groups), self.block_size)
+        check_loadable(
+            state_dict, self._flat_params(), self._param_views(), param_names(self.param_groups), self.block_size
+        )
         check_same_names(state_dict, self.param_groups)
         self.roots.discard()
         self._verdicts.discard()

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
+from lightning_dash.optim.routing import ALL_MATRICES, PreconditionRule, check_precondition, check_split_rows
 from lightning_dash.optim.validation import (
     check_betas,
     check_bool,
@@ -116,6 +117,21 @@ class DashConfig:
     )
     weight_decay: float = _option(0.0, "decoupled weight decay, W <- W (1 - lr wd)", _non_negative, per_group=True)
     block_size: int = _option(1024, "largest tile side; remainders form smaller tiles", _at_least(1))
+    precondition: PreconditionRule = _option(
+        ALL_MATRICES,
+        "which parameters get Kronecker factors (the rest, and every 1-D parameter, follow the grafting optimizer "
+        "alone): all_matrices; hidden (not the embeddings, the output layer or weights tied to them, as in "
+        "Muon's recipe; needs the model: the strategies pass it, in plain PyTorch pass model=); a set of "
+        "parameter names; or a callable (name, param) -> bool",
+        check_precondition,
+    )
+    split_rows: tuple[tuple[str, int], ...] = _option(
+        (),
+        "fused projections to precondition as equal row parts, e.g. {'qkv': 3}: a key matches whole dotted "
+        "components of a parameter's name (3-D parameters that are not convolution weights are already one "
+        "matrix per expert)",
+        check_split_rows,
+    )
     precondition_frequency: int = _option(
         10, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
     )

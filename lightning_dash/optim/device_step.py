@@ -42,7 +42,7 @@ def step_on_device(
     ``[gradient not finite, update not finite, failed roots, longest failure streak]``
     on the device (see :mod:`.step_verdict`), the same on every rank."""
     device = layout.params[min(active)].device
-    due = any(layout.params[i].dim() >= 2 and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
+    due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
     # Side-stream roots swap in before any statistics move (and before blocks are copied out).
     installed = roots.begin_step(layout, due)
     grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)

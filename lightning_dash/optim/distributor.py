@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, add_stacks, matrix_shape
+from lightning_dash.optim.blocks import Region, StackPlan, add_stacks
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
 
 
@@ -136,7 +136,7 @@ def gather_gradients(plans: list[StackPlan], params: list[Tensor]) -> list[Tenso
         for region in plan.regions:
             param = params[region.param_index]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            grads[region.param_index] = grad.reshape(matrix_shape(param.shape))
+            grads[region.param_index] = grad.reshape(region.view.shape)
         stacks.append(plan.gather(grads, dtype=state_dtype(params[plan.regions[0].param_index])))
     return stacks
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.blocks import MatrixView, Region, StackPlan, param_regions, stack_regions
 from lightning_dash.optim.host_values import upload
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, export_tiles, import_stack
 
@@ -27,13 +27,13 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def matrix_regions(params: list[Tensor], block_size: int) -> list[Region]:
-    """The block regions of every non-empty parameter of two or more dimensions, in order."""
+def matrix_regions(views: list[MatrixView | None], block_size: int) -> list[Region]:
+    """The block regions of every preconditioned parameter (a view that is not None), in order."""
     return [
         region
-        for index, param in enumerate(params)
-        if param.dim() >= 2 and param.numel() > 0
-        for region in param_regions(index, matrix_shape(param.shape), block_size)
+        for index, view in enumerate(views)
+        if view is not None
+        for region in param_regions(index, view, block_size)
     ]
 
 
@@ -111,13 +111,19 @@ class Layout:
     steps: list[int]
     stacks: list[Stack]
     vectors: list[VectorGroup]
+    views: list[MatrixView | None]
     local: Callable[[Tensor], Tensor] = _whole
+
+    def preconditioned(self, index: int) -> bool:
+        """Whether parameter ``index`` has Shampoo blocks (else the grafting optimizer alone updates it)."""
+        return self.views[index] is not None
 
 
 def build_layout(
     params: list[Tensor],
     group_of: list[int],
     names: list[str],
+    views: list[MatrixView | None],
     saved: dict[int, dict[str, Tensor]],
     plans: list[StackPlan],
     block_size: int,
@@ -125,9 +131,10 @@ def build_layout(
     want_second_moment: bool,
     placement: Placement | None = None,
 ) -> Layout:
-    """Allocate the stacks of ``plans`` and the vector buffers, filled from ``saved``
-    (per-parameter entries by flat index; missing statistics start at zero). The
-    vector buffers hold the ``placement``'s local part of each parameter."""
+    """Allocate the stacks of ``plans`` and the vector buffers of the parameters without a
+    view (not preconditioned), filled from ``saved`` (per-parameter entries by flat index;
+    missing statistics start at zero). The vector buffers hold the ``placement``'s local
+    part of each parameter."""
     local = placement.local if placement is not None else _whole
     local_part = placement.local_part if placement is not None else (lambda param, value: value)
     steps = [int(saved[index]["step"].item()) for index in range(len(params))]
@@ -147,7 +154,7 @@ def build_layout(
     for group_index in sorted(set(group_of)):
         members: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, param in enumerate(params):
-            if group_of[index] == group_index and param.dim() < 2 and param.numel() > 0:
+            if group_of[index] == group_index and views[index] is None and param.numel() > 0:
                 members.setdefault((param.device, state_dtype(param)), []).append(index)
         for (device, dtype), indices in members.items():
             numels = [local(params[i]).numel() for i in indices]
@@ -160,7 +167,7 @@ def build_layout(
                         part = local_part(params[index], saved[index][name])
                         flat[offset : offset + numel].copy_(local(part).reshape(-1))
             vectors.append(VectorGroup(group_index, indices, offsets, numels, momentum, rms))
-    return Layout(params, group_of, names, steps, stacks, vectors, local)
+    return Layout(params, group_of, names, steps, stacks, vectors, views, local)
 
 
 def export_layout(
@@ -218,12 +225,14 @@ def param_names(param_groups: list[dict[str, Any]]) -> list[str]:
 def stack_state(
     param_groups: list[dict[str, Any]],
     state: dict[Tensor, dict[str, Any]],
+    views: list[MatrixView | None],
     placement: Placement,
     block_size: int,
     want_second_moment: bool,
 ) -> Layout:
     """Move the per-parameter statistics of ``state`` (an optimizer's) into a new layout
-    of the stacks ``placement`` gives this process; only step counts stay in ``state``."""
+    of the stacks ``placement`` gives this process (``views``: how each parameter is
+    preconditioned, if it is); only step counts stay in ``state``."""
     params = [p for group in param_groups for p in group["params"]]
     group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
     saved = {}
@@ -231,12 +240,13 @@ def stack_state(
         entry = state[param]
         entry["step"] = torch.as_tensor(entry.get("step", 0.0), dtype=torch.float32, device="cpu")
         saved[index] = entry
-    regions = matrix_regions(params, block_size)
+    regions = matrix_regions(views, block_size)
     frequencies = [param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
     layout = build_layout(
         params,
         group_of,
         param_names(param_groups),
+        views,
         saved,
         placement.plan_stacks(regions, params, frequencies),
         block_size,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dash.optim.checkpoint import DashStateDict
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
@@ -17,9 +17,11 @@ from lightning_dash.optim.device_step import step_on_device
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
 from lightning_dash.optim.grafting import uses_second_moment
 from lightning_dash.optim.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
+from lightning_dash.optim.param_routing import ParameterRouting
 from lightning_dash.optim.root_failures import failure_summary
 from lightning_dash.optim.root_refresh import RootRefresher
 from lightning_dash.optim.roots import RootSettings
+from lightning_dash.optim.routing import describe_model
 from lightning_dash.optim.solver_choice import choose_inverse_root_method, explain_choice
 from lightning_dash.optim.stack_update import UpdateRules, active_params, gradients_all_zero
 from lightning_dash.optim.step_bookkeeping import StepBookkeeping
@@ -30,7 +32,7 @@ _log = logging.getLogger("lightning_dash")
 _ANNOUNCED: set[str] = set()
 
 
-class DASH(StepBookkeeping, DashStateDict):
+class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
     """Shampoo with batched block processing, batched inverse roots and grafting.
 
     Each parameter of two or more dimensions is viewed as a matrix, cut into
@@ -38,15 +40,18 @@ class DASH(StepBookkeeping, DashStateDict):
     ``L <- b2 L + (1 - b2) G G^T`` and ``R <- b2 R + (1 - b2) G^T G``. Its update is
     ``L^(-1/4) M R^(-1/4)`` (M the gradient momentum), rescaled per block to the
     norm of the grafting optimizer's update. One-dimensional parameters use the
-    grafting optimizer alone (Adam when ``grafting="none"``). All tiles of one shape,
-    from every parameter and group, are updated together by batched matmuls.
+    grafting optimizer alone (Adam when ``grafting="none"``), as do the parameters
+    the ``precondition`` option routes there. All tiles of one shape, from every
+    parameter and group, are updated together by batched matmuls.
 
     Args:
-        params: parameters or parameter groups, as for any torch optimizer.
+        params: parameters, named parameters or parameter groups, as for any torch optimizer.
         lr: learning rate (default: ``config.lr``).
         config: the options as a :class:`~lightning_dash.optim.config.DashConfig`.
         distributor: block ownership across data-parallel ranks (None: this process
             owns every block).
+        model: the module the parameters belong to, for the parameters' names and roles
+            (``precondition="hidden"`` needs it; see :meth:`attach_model`).
         **options: any :class:`~lightning_dash.optim.config.DashConfig` option by
             keyword (``betas``, ``epsilon``, ``block_size``, ``inverse_root_method``,
             ...); they replace the values of ``config``.
@@ -59,6 +64,7 @@ class DASH(StepBookkeeping, DashStateDict):
         *,
         config: DashConfig | None = None,
         distributor: BlockDistributor | None = None,
+        model: nn.Module | None = None,
         **options: Any,
     ) -> None:
         if lr is not None:
@@ -83,6 +89,7 @@ class DASH(StepBookkeeping, DashStateDict):
         self._layout: Layout | None = None
         self._distributor: BlockDistributor = distributor or LocalDistributor()
         self._consolidated: dict[int, dict[str, Tensor]] | None = None
+        self._model = describe_model(model) if model is not None else None
         defaults = self._config.group_defaults()
         super().__init__(params, defaults)
 
@@ -215,6 +222,7 @@ class DASH(StepBookkeeping, DashStateDict):
             self._layout = stack_state(
                 self.param_groups,
                 self.state,
+                self._param_views(),
                 self._distributor,
                 self.block_size,
                 want_second_moment=uses_second_moment(self.grafting),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, matrix_shape
+from lightning_dash.optim.blocks import Region, StackPlan
 
 FACTOR_KEYS = ("left_factor", "right_factor", "left_root", "right_root")
 FACTOR_SCALE = "factor_scale"
@@ -100,11 +100,7 @@ class StackState:
 
 
 def _tile_index(region: Region, block_size: int, row: int, col: int) -> tuple[int, int]:
-    return region.row_start // block_size + row, region.col_start // block_size + col
-
-
-def grid_shape(shape: tuple[int, int], block_size: int) -> tuple[int, int]:
-    return -(-shape[0] // block_size), -(-shape[1] // block_size)
+    return region.view.tile_row(region.row_start, block_size) + row, region.col_start // block_size + col
 
 
 def export_stack(
@@ -118,9 +114,9 @@ def export_stack(
     root_valid, root_failures = state.root_valid.cpu(), state.root_failures.cpu()
     for region in plan.regions:
         param = params[region.param_index]
-        shape = matrix_shape(param.shape)
+        shape = region.view.shape
         entry = out.setdefault(region.param_index, {})
-        grid = grid_shape(shape, block_size)
+        grid = region.view.grid(block_size)
         valid = entry.setdefault(ROOT_VALID, torch.zeros(grid, dtype=torch.bool))
         failures = entry.setdefault(ROOT_FAILURES, torch.zeros(grid, dtype=torch.int32))
         for name in (MOMENTUM, GRAFTING_RMS):
@@ -189,7 +185,7 @@ def import_stack(
         if not entry or not any(key.startswith(f"{FACTOR_KEYS[0]}_") for key in entry):
             continue
         param = params[region.param_index]
-        shape = matrix_shape(param.shape)
+        shape = region.view.shape
         for name in (MOMENTUM, GRAFTING_RMS):
             if name in entry:  # parameter-shaped
                 full = entry[name]

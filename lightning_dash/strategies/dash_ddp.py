@@ -267,7 +267,7 @@ class DashStrategy(DDPStrategy):
         super().teardown()
 
     def _convert(self, optimizer: Optimizer) -> DASH:
-        dash = self.conversion.convert(optimizer)
+        dash = self.conversion.convert(optimizer, model=self.lightning_module)
         if self.gradient_sync == "demo":
             # DeMo's error-feedback accumulator already is the momentum of the signal DASH
             # receives; a second momentum on top of it slows training (measured in

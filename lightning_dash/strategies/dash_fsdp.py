@@ -184,7 +184,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
         self.optimizers = swap_optimizers(self.optimizers, self.lr_scheduler_configs, self._convert, _MockOptimizer)
 
     def _convert(self, optimizer: Optimizer) -> DASH:
-        dash = self.conversion.convert(optimizer, sharded_parameters=True)
+        dash = self.conversion.convert(optimizer, sharded_parameters=True, model=self.lightning_module)
         name_parameters(dash, self.lightning_module)
         return dash
 

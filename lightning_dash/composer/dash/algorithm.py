@@ -93,7 +93,7 @@ class Dash(Algorithm):
         optimizers = ensure_tuple(state.optimizers)
         if len(optimizers) != 1:
             raise ValueError(f"Dash needs exactly one optimizer in the trainer, found {len(optimizers)}")
-        dash = self.conversion.convert(optimizers[0])
+        dash = self.conversion.convert(optimizers[0], model=state.model)
         # Composer saves through torch.distributed.checkpoint, which calls state_dict()
         # on every rank: let DASH gather the blocks of all ranks inside that call.
         dash.collective_state_dict = True

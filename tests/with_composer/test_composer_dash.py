@@ -277,3 +277,31 @@ def test_monitor_without_dash_is_a_clear_error() -> None:
     )
     with pytest.raises(TypeError, match="DashComposerMonitor needs DASH"):
         trainer.fit()
+
+
+def test_the_algorithm_tells_dash_the_model_for_hidden_routing() -> None:
+    from composer import Trainer
+    from composer.optim import DecoupledAdamW
+
+    from lightning_dash.demos.composer_models import ComposerTinyGPT
+
+    torch.manual_seed(0)
+    model = ComposerTinyGPT(context=8, width=16, depth=1, heads=2)
+    embedding = model.model.token.weight.detach().clone()
+    tokens = torch.randint(0, 256, (8, 9))
+    loader = torch.utils.data.DataLoader(list(zip(tokens[:, :-1], tokens[:, 1:])), batch_size=4)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=loader,
+        optimizers=DecoupledAdamW(model.parameters(), lr=0.01),
+        algorithms=[Dash(block_size=16, precondition="hidden", split_rows={"in_proj_weight": 3})],
+        max_duration="2ba",
+        device="cpu",
+        progress_bar=False,
+    )
+    trainer.fit()
+    views = trainer.state.optimizers[0].preconditioning()
+    assert views["model.token.weight"] is None and views["model.head.weight"] is None
+    assert views["model.blocks.layers.0.self_attn.in_proj_weight"].parts == 3
+    assert not torch.equal(model.model.token.weight, embedding)  # grafting moved it
+    trainer.close()

@@ -101,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-fraction", type=float, default=0.05)
     parser.add_argument("--block-size", type=int, default=256, help="DASH block size")
     parser.add_argument("--precondition-frequency", type=int, default=10, help="DASH root refresh interval")
+    parser.add_argument(
+        "--precondition",
+        choices=("all_matrices", "hidden"),
+        default="all_matrices",
+        help="which parameters DASH preconditions (hidden: not the embeddings and the output layer)",
+    )
     parser.add_argument("--val-every", type=int, default=50, help="validate every this many steps")
     parser.add_argument("--val-windows", type=int, default=512, help="size of the fixed validation set")
     parser.add_argument("--max-bytes", type=int, default=4_000_000, help="stdlib bytes to read")
@@ -196,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     given = {"adamw": args.lr_adamw, "dash": args.lr_dash}
     defaults = QUICK_LR if args.quick else DEFAULT_LR
     lrs = {name: next(lr for lr in (given[name], args.lr, defaults[name]) if lr is not None) for name in given}
-    dash = DashStrategy(block_size=args.block_size, precondition_frequency=args.precondition_frequency)
+    dash = DashStrategy(
+        block_size=args.block_size, precondition_frequency=args.precondition_frequency, precondition=args.precondition
+    )
     runs = {
         "adamw": fit("adamw", "ddp" if args.devices > 1 else "auto", lrs["adamw"], args),
         "dash": fit("dash", dash, lrs["dash"], args),

@@ -64,7 +64,7 @@ def test_block_slices_cover_every_element_once():
 def test_shampoo_loop_matches_dash(method):
     """Same blocks, same solver, roots at every step: the same parameters after a few steps."""
     torch.manual_seed(0)
-    shapes = [(40, 24), (24,), (70, 30), (30, 70), (5, 3, 4)]
+    shapes = [(40, 24), (24,), (70, 30), (30, 70), (5, 3, 2, 2)]  # 4-D: a convolution, one (5, 12) matrix
     initial = [torch.randn(shape) for shape in shapes]
     gradients = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
     options = {

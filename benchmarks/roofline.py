@@ -70,7 +70,7 @@ from fsdp_estimate import Qwen3Config, block_state_bytes, qwen3_parameters
 from step_time import MODELS as STEP_TIME_MODELS
 from step_time import GPTShape, gpt_parameter_shapes
 
-from lightning_dash.optim.blocks import matrix_shape, param_regions
+from lightning_dash.optim.blocks import MatrixView, param_regions
 from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
 from lightning_dash.optim.newton_roots import planned_scaled_iterations
 from lightning_dash.optim.root_common import spectral_upper_bound
@@ -208,7 +208,7 @@ def block_counts(shapes: Iterable[tuple[int, ...]], block_size: int) -> Counter[
     counts: Counter[tuple[int, int]] = Counter()
     for index, shape in enumerate(shapes):
         if len(shape) >= 2 and math.prod(shape) > 0:
-            for region in param_regions(index, matrix_shape(shape), block_size):
+            for region in param_regions(index, MatrixView.of(shape), block_size):
                 counts[region.block_shape] += region.num_blocks
     return counts
 

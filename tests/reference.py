@@ -79,12 +79,21 @@ class ReferenceDash:
         return self.epsilon * float(torch.linalg.matrix_norm(factor)) if self.relative_epsilon else self.epsilon
 
     def _matrix_step(self, index: int, param: Tensor, grad: Tensor) -> None:
-        rows = param.shape[0]
-        cols = math.prod(param.shape[1:])
+        if param.dim() == 3:  # a stack of experts (DASH without a model): one matrix per expert
+            experts, part_rows, cols = param.shape
+            rows = experts * part_rows
+            cut = [
+                (slice(e * part_rows + rs.start, e * part_rows + rs.stop), cs)
+                for e in range(experts)
+                for rs, cs in tiles(part_rows, cols, self.block_size)
+            ]
+        else:
+            rows, cols = param.shape[0], math.prod(param.shape[1:])
+            cut = tiles(rows, cols, self.block_size)
         weight, gradient = param.view(rows, cols), grad.double().reshape(rows, cols)
         blocks = self.state.setdefault(index, {})
         weight.mul_(1 - self.lr * self.weight_decay)
-        for key, (rs, cs) in enumerate(tiles(rows, cols, self.block_size)):
+        for key, (rs, cs) in enumerate(cut):
             g = gradient[rs, cs]
             st = blocks.setdefault(
                 key,

@@ -12,7 +12,7 @@ CPY := $(COMPOSER_VENV)/bin/python
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step clean
+.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ $(VENV)/.peers-installed: $(PEER_TARBALL) $(VENV)/.installed
 # about 8 minutes on 2 CPU cores. On a shared machine: flock /tmp/cpu_heavy.lock make bench-step
 bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) benchmarks/step_time.py --suite peers
+
+# The convergence race (benchmarks/peers.py): AdamW, Muon, heavyball's SOAP and PSGD-Kron, Meta's
+# Distributed Shampoo and DASH on the main job's model; about 55 minutes on 2 CPU cores. heavyball comes
+# with the bench extra (pip leaves torch as it is: heavyball 3.2.1 asks for torch >= 2.2, < 3, numpy >=
+# 2.3.4 and opt-einsum); Meta's Shampoo from ../shared/peers when it is there (else that contender is
+# recorded as unavailable). On a shared machine: flock /tmp/cpu_heavy.lock make bench-peers
+bench-peers: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
+	$(PY) benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache site

@@ -1,0 +1,191 @@
+"""The convergence race (benchmarks/peers.py) on a tiny model, so that its harness cannot rot.
+
+A few steps at width 32 with two learning rates per contender: the records, the table, the
+plot, the merge of a second run into the first one's JSON, and the analysis (steps to AdamW's
+final loss, best learning rate, lr transfer) on constructed curves. heavyball's and Meta's
+contenders run only where those packages are importable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import peers
+
+#: The loss of a uniform prediction over 256 bytes, about where an untrained model starts.
+UNIFORM_LOSS = math.log(256)
+TINY = [
+    "--widths",
+    "32",
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+    "--val-windows",
+    "64",
+    "--context",
+    "32",
+    "--max-bytes",
+    "300000",
+    "--seeds",
+    "0",
+    "--extend-edges",
+    "0",
+]
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_tiny_race_records_table_plot_and_merge(tmp_path, capsys):
+    grids = {"adamw": [3e-3, 1e-2], "dash-eigh": [6e-3, 2e-2]}
+    flags = [word for name, lrs in grids.items() for word in (f"--lrs-{name}", *map(str, lrs))]
+    summary = peers.main([*TINY, "--out", str(tmp_path), "--optimizers", "adamw,dash-eigh", *flags])
+    path = tmp_path / "peers_cpu.json"
+    records = read(path)["records"]
+    assert sorted((r["optimizer"], r["lr"]) for r in records) == sorted(
+        (name, lr) for name, lrs in grids.items() for lr in lrs
+    )
+    for record in records:
+        assert record["status"] == "ok" and record["width"] == 32 and record["seed"] == 0 and record["steps"] == 6
+        assert [step for step, _, _ in record["curve"]] == [0, 3, 6]
+        losses = [loss for _, _, loss in record["curve"]]
+        assert all(math.isfinite(loss) for loss in losses)
+        assert abs(record["initial_val_loss"] - UNIFORM_LOSS) < 0.5
+        assert record["final_val_loss"] == losses[-1]
+        assert record["opt_step_ms"] > 0 and record["state_bytes"] > 0
+    best = {row["optimizer"]: row for row in summary["widths"]["w32_s6"]["rows"]}
+    for name, row in best.items():
+        assert row["final_val_loss_mean"] < UNIFORM_LOSS - 0.3, name  # training works
+    # AdamW keeps two float32 moments per parameter (and a step counter per tensor).
+    params = records[0]["params"]
+    assert 0 <= best["adamw"]["state_bytes"] - 2 * 4 * params <= 4 * 64
+    # DASH counts its stacks itself (optimizer.state holds only step counters).
+    assert best["dash-eigh"]["state_bytes"] > best["dash-eigh"]["state_bytes_walk"]
+    printed = capsys.readouterr().out
+    for name in grids:
+        assert name in printed
+    assert (tmp_path / "peers_cpu_w32.png").stat().st_size > 0
+
+    # A second run adds a contender: the first run's records stay, the table lists all three.
+    summary = peers.main([*TINY, "--out", str(tmp_path), "--optimizers", "muon", "--lrs-muon", "0.02", "0.05"])
+    merged = read(path)["records"]
+    assert {(r["optimizer"], r["lr"]) for r in records} <= {(r["optimizer"], r["lr"]) for r in merged}
+    assert sorted(r["lr"] for r in merged if r["optimizer"] == "muon") == [0.02, 0.05]
+    muon = next(r for r in merged if r["optimizer"] == "muon")
+    assert muon["options"]["adamw_lr"] == best["adamw"]["best_lr"]  # AdamW's best lr, from the records
+    names = [row["optimizer"] for row in summary["widths"]["w32_s6"]["rows"]]
+    assert sorted(names) == ["adamw", "dash-eigh", "muon"]
+
+    # --report-only rebuilds the summary from the JSON without running anything.
+    again = peers.main(["--out", str(tmp_path), "--report-only"])
+    assert read(path)["records"] == merged
+    assert again["widths"]["w32_s6"]["rows"] == summary["widths"]["w32_s6"]["rows"]
+
+
+def test_routing_variants_and_unavailable_options():
+    settings = peers.Settings(steps=2, context=16)
+    model = peers.make_model(32, 0, settings)
+    tokens = torch.randint(0, 256, (4, 16))
+    sizes = {}
+    for name in ("dash-eigh", "dash-eigh-hidden"):
+        optimizer = peers.build(peers.CONTENDERS[name], model, 1e-2, 6e-3)
+        model.loss(tokens, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sizes[name] = peers.state_bytes(optimizer)
+    # "hidden" leaves the byte embedding and the head (256 x 32 each) to the grafting optimizer.
+    assert sizes["dash-eigh-hidden"] < sizes["dash-eigh"]
+    unknown = peers.Contender("dash-new", "dash", (1e-2,), {"no_such_option": 1})
+    with pytest.raises(peers.Unavailable):
+        peers.build(unknown, model, 1e-2, 6e-3)
+    record = peers.unavailable_record("dash-new", 32, 6, "no")
+    # An unavailable record gives way when the optimizer runs later, other records stay.
+    ran = {**record, "lr": 0.01, "seed": 0, "status": "ok"}
+    kept = {**record, "width": 64}
+    assert peers.merge([record, kept], [ran]) == [kept, ran]
+
+
+def curve_record(name: str, lr: float, seed: int, losses: list[float | None], step_ms: float = 10.0) -> dict:
+    """A record whose curve has the given losses at steps 0, 10, 20, ... (one second per 10 steps)."""
+    return {
+        "optimizer": name,
+        "width": 8,
+        "params": 100,
+        "lr": lr,
+        "seed": seed,
+        "steps": 10 * (len(losses) - 1),
+        "status": "ok",
+        "final_val_loss": losses[-1],
+        "wall_s": float(len(losses) - 1),
+        "train_step_ms": step_ms,
+        "opt_step_ms": 1.0,
+        "opt_step_median_ms": 1.0,
+        "opt_step_mean_ms": 1.0,
+        "state_bytes": 800,
+        "state_bytes_walk": 800,
+        "curve": [[10 * i, float(i), loss] for i, loss in enumerate(losses)],
+    }
+
+
+def test_steps_to_adamw_final_on_constructed_curves():
+    record = curve_record("x", 1.0, 0, [5.5, 3.0, 2.5, 2.4])
+    assert peers.steps_to(record, 2.5).step == 20  # at or below
+    assert peers.steps_to(record, 2.45).step == 30
+    assert peers.steps_to(record, 6.0).step == 10  # step 0 never counts
+    assert peers.steps_to(record, 2.0) is None
+    records = [
+        curve_record("adamw", 1e-3, 0, [5.5, 3.0, 2.6, 2.5, 2.4]),
+        curve_record("adamw", 2e-3, 0, [5.5, 2.9, 2.5, 2.3, 2.2]),  # best: reaches its own final at 40
+        curve_record("adamw", 2e-3, 1, [5.5, 2.9, 2.6, 2.45, 2.3]),
+        curve_record("dash", 2e-3, 0, [5.5, 2.6, 2.2, 2.0, 1.9], step_ms=20.0),  # 2.2 at step 20
+        curve_record("dash", 4e-3, 0, [5.5, 2.5, 2.1, 1.9, 1.8], step_ms=20.0),  # best
+        curve_record("dash", 4e-3, 1, [5.5, 2.5, 2.4, 2.35, 2.31], step_ms=20.0),  # never reaches 2.3
+        curve_record("dash", 8e-3, 0, [5.5, 2.0, None, None, None]),  # diverged: never the best
+    ]
+    assert peers.best_lr(records, "adamw", 8, 40) == 2e-3
+    # Seed 0 is the only one run at every lr of dash: it decides (4e-3), the diverged 8e-3 never wins.
+    assert peers.best_lr(records, "dash", 8, 40) == 4e-3
+    rows = {row["optimizer"]: row for row in peers.summary_rows(records, 8, 40, ["adamw", "dash"])}
+    assert rows["adamw"]["steps_to_adamw_final"] == [40, 40]
+    assert rows["adamw"]["steps_ratio_to_adamw"] == [1.0, 1.0]
+    assert rows["dash"]["steps_to_adamw_final"] == [20, None]
+    assert rows["dash"]["steps_ratio_to_adamw"] == [0.5, None]
+    assert rows["dash"]["wall_s_to_adamw_final"] == [2.0, None]
+    assert rows["dash"]["estimated_s_to_adamw_final"] == [20 * 20.0 / 1e3, None]
+    assert rows["dash"]["final_val_loss_mean"] == pytest.approx((1.8 + 2.31) / 2)
+    transfer = peers.lr_transfer(records, 8, 40, dash="dash")
+    assert transfer["ratio"] == 2.0 and transfer["seeds"] == [0]
+    assert transfer["lost"] == pytest.approx(1.9 - 1.8)
+    # The grid is extended past an edge only when the best lr is there.
+    assert peers.edge_extension(records, "adamw", 8, 40) == 4e-3
+    assert peers.edge_extension(records, "dash", 8, 40) is None
+
+
+@pytest.mark.parametrize("name", ["soap", "psgd-kron"])
+def test_heavyball_contenders_train(tmp_path, name):
+    pytest.importorskip("heavyball", reason="heavyball is not installed")
+    check_trains(tmp_path, name, 1e-2)
+
+
+def test_meta_shampoo_trains(tmp_path):
+    pytest.importorskip("distributed_shampoo", reason="Meta's Distributed Shampoo is not installed")
+    check_trains(tmp_path, "meta-shampoo", 1e-2, steps=12)  # its Shampoo roots start at step 10
+
+
+def check_trains(tmp_path: Path, name: str, lr: float, steps: int = 6) -> None:
+    tiny = list(TINY)
+    tiny[tiny.index("--steps") + 1] = str(steps)
+    peers.main([*tiny, "--out", str(tmp_path), "--optimizers", name, f"--lrs-{name}", str(lr)])
+    (record,) = read(tmp_path / "peers_cpu.json")["records"]
+    assert record["status"] == "ok" and record["state_bytes"] > 0
+    assert record["final_val_loss"] < record["initial_val_loss"]

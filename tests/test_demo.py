@@ -28,6 +28,7 @@ from lightning_dash.distributed.dct_topk import (
 )
 from lightning_dash.distributed.demo_optimizer import DeMo
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 
 ROUND_TRIP_SHAPES = [(96, 80), (7, 5), (130,), (64, 64), (16, 3, 5, 5), (), (97,)]
 
@@ -298,6 +299,7 @@ def _gloo_worker(rank: int, init_file: str, out_dir: str, threads: int, steps: i
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
+    settle_gloo_workers_at_exit()  # no abort at exit (see its module)
     try:
         sync = DemoSynchronizer(topk=4, chunk_size=8, momentum=0.9)
         outputs = [sync.synchronize(_rank_grads(rank, step), [0, 1, 2]) for step in range(steps)]

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 
 OPTIONS = dict(lr=0.01, block_size=8, precondition_frequency=2, epsilon=1e-4)
 
@@ -53,6 +54,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
+    settle_gloo_workers_at_exit()  # no abort at exit (see its module)
     try:
         states = {}
         params = [p.requires_grad_() for p in _parameters()]

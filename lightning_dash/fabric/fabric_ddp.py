@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.fabric.optimizers import SchedulerFollowsConversion, convert, whole_state
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
@@ -108,6 +109,11 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
             if name not in strategy_registry:
                 description = f"DDP with DASH (block-owned Shampoo), {settings['start_method']} launcher"
                 strategy_registry.register(name, cls, description=description, **settings)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        settle_gloo_workers_at_exit()
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

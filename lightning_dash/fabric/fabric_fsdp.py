@@ -22,6 +22,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.sharded import check_row_sharded
 from lightning_dash.fabric.optimizers import (
     ParameterNames,
@@ -189,6 +190,7 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        settle_gloo_workers_at_exit()
 
     @override
     def setup_module(self, module: Module) -> Module:

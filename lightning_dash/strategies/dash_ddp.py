@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
@@ -162,6 +163,11 @@ class DashStrategy(DDPStrategy):
                 strategy_registry.register(
                     prefix + suffix, cls, description=description, start_method=start_method, **params
                 )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        settle_gloo_workers_at_exit()
 
     @override
     def configure_ddp(self) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import (
@@ -161,6 +162,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        settle_gloo_workers_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

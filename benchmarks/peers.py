@@ -80,6 +80,11 @@ file already there (a new record replaces one with the same key, others are kept
 ``peers_<device>_w<width>.png`` (mean validation loss at the best lr against steps and against
 training wall time). ``--report-only`` rebuilds the summary and the plots from the JSON.
 
+Threads: one by default (``--threads``). On this project's 2-core machine, shared with test runs
+that do not wait for the benchmarks, a busy second process slowed torch's two threads about 10x
+(AdamW's 200 steps: 24 s alone, 272 s beside a test run), while one thread keeps to its core.
+The thread count changes losses in their last digits (other splits of the sums), not the race.
+
 Defaults (what ``make bench-peers`` runs, and what the committed JSON holds): 200 steps,
 evaluation every 10 steps on 256 validation windows, widths 128 (478,976 parameters) and 256
 (1,744,128: 3.6x), seeds 0 1 2 at width 128 and 0 at 256. Run from the repository root::
@@ -936,9 +941,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--extend-edges",
         type=int,
-        default=1,
+        default=2,
         help="at the main width, times a grid is extended by one doubling (halving) when its best lr is its "
         "largest (smallest) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default: %(default)s; on a shared 2-core machine a second busy process slowed "
+        "two threads 10x, see the module docstring)",
     )
     parser.add_argument("--resume", action="store_true", help="skip runs whose key is already in the JSON")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and plots from the JSON")
@@ -951,6 +963,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     device_name = device_label(device)
     settings = Settings(

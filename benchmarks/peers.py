@@ -247,30 +247,31 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
             group["weight_decay"] = WEIGHT_DECAY
         return optimizer
     if family == "dash":
-        options = dict(contender.options)
+        # A variant's options override the shared ones.
+        options = {
+            "betas": BETAS,
+            "weight_decay": WEIGHT_DECAY,
+            "block_size": DASH_BLOCK_SIZE,
+            "precondition_frequency": DASH_FREQUENCY,
+            **contender.options,
+        }
         if "precondition" in options:
             options["model"] = model
         try:
-            return DASH(
-                model.parameters(),
-                lr=lr,
-                betas=BETAS,
-                weight_decay=WEIGHT_DECAY,
-                block_size=DASH_BLOCK_SIZE,
-                precondition_frequency=DASH_FREQUENCY,
-                **options,
-            )
-        except (TypeError, ValueError) as error:
-            # Only an option this DASH does not know makes a variant unavailable; anything else is a bug.
-            if any(name in str(error) for name in contender.options if name != "inverse_root_method"):
-                raise Unavailable(f"DASH does not take {sorted(contender.options)}: {error}") from error
+            return DASH(model.parameters(), lr=lr, **options)
+        except TypeError as error:
+            # Only an option this DASH does not know makes a variant unavailable ("unknown DASH option(s)
+            # [...]; known: [...]"); anything else is a bug.
+            unknown = str(error).split("; known", 1)[0]
+            if "unknown" in unknown and any(f"'{name}'" in unknown for name in contender.options):
+                raise Unavailable(f"DASH does not take {sorted(contender.options)}: {unknown}") from error
             raise
     raise ValueError(f"unknown family {family!r}")
 
 
 def optimizer_options(contender: Contender, lr: float, muon_adamw_lr: float) -> dict[str, Any]:
     """What a record says about how its optimizer was built."""
-    options: dict[str, Any] = {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}
+    options: dict[str, Any] = {"lr": lr, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
     if contender.family == "muon":
         options["adamw_lr"] = muon_adamw_lr
     if contender.family in ("meta", "dash"):
@@ -278,7 +279,7 @@ def optimizer_options(contender: Contender, lr: float, muon_adamw_lr: float) -> 
     if contender.family in ("soap", "psgd"):
         options["compile"] = False
     options.update(contender.options)
-    return options
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
 
 
 # ---------------------------------------------------------------------- state bytes
@@ -740,7 +741,8 @@ def plot(records: list[dict], rows: list[dict], path: Path, title: str, target: 
     figure, (by_step, by_wall) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = plt.get_cmap("tab10").colors
     tail_low, tail_high = math.inf, -math.inf
-    for index, row in enumerate(r for r in rows if r["status"] != "unavailable"):
+    # The contenders only (a --dash-variant of an investigation is in the table, not in the plot).
+    for index, row in enumerate(r for r in rows if r["status"] != "unavailable" and r["optimizer"] in CONTENDERS):
         runs = [
             r
             for r in records
@@ -787,7 +789,7 @@ def report(records: list[dict], out: Path, device_name: str) -> dict:
     groups = sorted({(r["width"], r["steps"]) for r in records})
     for width, steps in groups:
         ran = {r["optimizer"] for r in records if r["width"] == width and r["steps"] == steps}
-        present = [n for n in CONTENDERS if n in ran] + sorted(ran - set(CONTENDERS))
+        present = [n for n in CONTENDERS if n in ran] + sorted(ran - set(CONTENDERS))  # variants last
         rows = summary_rows(records, width, steps, present)
         for row in rows:
             row.update(width=width, steps=steps)
@@ -904,7 +906,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
     parser.add_argument(
-        "--optimizers", type=parse_list, default=list(CONTENDERS), help="comma-separated contenders (default: all)"
+        "--optimizers",
+        type=parse_list,
+        default=None,
+        help="comma-separated contenders (default: all, or none besides the --dash-variant ones)",
     )
     parser.add_argument(
         "--large-optimizers",
@@ -933,6 +938,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help="lr grid (default: %(default)s)",
         )
     parser.add_argument(
+        "--dash-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='an extra DASH variant, its options as JSON (they override the shared ones; "lrs": its grid), '
+        'e.g. \'dash-f2={"inverse_root_method": "eigh", "precondition_frequency": 2, "lrs": [0.006]}\'; '
+        "(runs with the --optimizers given, else alone)",
+    )
+    parser.add_argument(
         "--muon-adamw-lr",
         type=float,
         default=None,
@@ -955,9 +969,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="skip runs whose key is already in the JSON")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and plots from the JSON")
     args = parser.parse_args(argv)
-    unknown = set(args.optimizers) - set(CONTENDERS)
+    if args.optimizers is None:
+        args.optimizers = [] if args.dash_variant else list(CONTENDERS)
+    args.registry = dict(CONTENDERS)
+    for text in args.dash_variant:
+        name, _, options = text.partition("=")
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            parser.error(f"--dash-variant {text!r}: {error}")
+        lrs = tuple(options.pop("lrs", GRAFTED_LRS))
+        args.registry[name] = Contender(name, "dash", lrs, options)
+        if name not in args.optimizers:
+            args.optimizers.append(name)
+    unknown = set(args.optimizers) - set(args.registry)
     if unknown:
-        parser.error(f"unknown optimizer(s) {sorted(unknown)}; known: {list(CONTENDERS)}")
+        parser.error(f"unknown optimizer(s) {sorted(unknown)}; known: {list(args.registry)}")
     return args
 
 
@@ -979,7 +1006,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = args.out / f"peers_{device_name}.json"
     records = load_records(path)
     # AdamW first: muon's AdamW part and the DASH lrs at larger widths use AdamW's best lr.
-    names = sorted(args.optimizers, key=lambda n: (n != "adamw", list(CONTENDERS).index(n)))
+    registry = args.registry
+    names = sorted(args.optimizers, key=lambda n: (n != "adamw", list(registry).index(n)))
     print(f"{device_name}, {environment()}")
     print(f"settings: {settings}")
     start = time.perf_counter()
@@ -987,14 +1015,17 @@ def main(argv: list[str] | None = None) -> dict:
         data = load_data(settings)
         print(f"corpus {data.corpus.train.numel():,} training / {data.corpus.validation.numel():,} validation bytes")
         main_width = args.widths[0]
-        warm_up([CONTENDERS[n] for n in names], main_width, settings, data, device)
+        warm_up([registry[n] for n in names], main_width, settings, data, device)
         for width in args.widths:
             large = width != main_width
             seeds = args.large_seeds if large else args.seeds
             for name in names:
                 if large and name not in args.large_optimizers:
                     continue
-                contender = replace(CONTENDERS[name], lrs=tuple(getattr(args, f"lrs_{name.replace('-', '_')}")))
+                flag = f"lrs_{name.replace('-', '_')}"
+                contender = registry[name]
+                if name in CONTENDERS:
+                    contender = replace(contender, lrs=tuple(getattr(args, flag)))
                 if large:
                     lrs = neighbour_lrs(records, contender, main_width, settings.steps)
                     adamw_lr = best_lr(records, "adamw", width, settings.steps)

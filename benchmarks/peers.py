@@ -979,6 +979,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except json.JSONDecodeError as error:
             parser.error(f"--dash-variant {text!r}: {error}")
         lrs = tuple(options.pop("lrs", GRAFTED_LRS))
+        options = {key: tuple(value) if isinstance(value, list) else value for key, value in options.items()}
         args.registry[name] = Contender(name, "dash", lrs, options)
         if name not in args.optimizers:
             args.optimizers.append(name)

@@ -35,24 +35,33 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
 * DASH variants, each a name and its options (:data:`DASH_VARIANTS`): ``block_size=256``,
   ``precondition_frequency=10``, Adam grafting, and ``inverse_root_method`` ``eigh`` or
   ``newton_db``; the ``-hidden`` variants add ``precondition="hidden"`` (embeddings, output head,
-  tied weights and vectors go to the grafting optimizer) with ``model=model``. A variant whose
-  options this version of DASH does not know is recorded as ``unavailable`` and skipped.
+  tied weights and vectors go to the grafting optimizer) with ``model=model``; TinyGPT's position
+  table is a bare parameter, not an ``nn.Embedding``, so "hidden" still preconditions it (Muon's
+  split above gives it to AdamW). A variant whose options this version of DASH does not know is
+  recorded as ``unavailable`` and skipped.
 
 Protocol, per width (``--widths``; the first is the main size, the others are "larger"): each
-contender runs every lr of its grid (``--lrs-<name>``) with the first seed of ``--seeds``; its
-best lr is the one with the lowest final validation loss (averaged over the seeds run at every
-lr of the grid); the other seeds then run at that lr. At a larger width only
+contender runs every lr of its grid (``--lrs-<name>``; halvings and doublings: AdamW 3e-3 to
+2.4e-2 around the main job's AdamW lr, 6e-3, SOAP 3e-3 to 1.2e-2; DASH, Meta's Shampoo and
+PSGD-Kron 6e-3 to 2.4e-2 around the main job's DASH lr, 1.2e-2; Muon 0.01 to 0.04 around its
+documented 0.02) with
+the first seed of ``--seeds``; its best lr is the one with the lowest final validation loss
+(averaged over the seeds run at every lr of the grid). When that is the grid's largest (smallest)
+lr, the grid is extended by one doubling (halving), ``--extend-edges`` times. The other seeds then
+run at the best lr. At a larger width only
 ``--large-optimizers`` run, with ``--large-seeds``, at two lrs: the contender's best at the main
 width and the better of that lr's grid neighbours there (DASH variants also at AdamW's best lr at
 that width, for the lr-transfer summary).
 
 Per run: validation loss every ``--eval-every`` steps; wall time counts training steps only
 (data, forward, backward, optimizer step, schedule), not evaluations; the optimizer step
-(``optimizer.step()``) is timed on its own. ``opt_step_ms`` is the median over 10-step windows
-of the mean step time (``convergence.robust_step_ms``: every window holds one root refresh of
-DASH and Meta, so refreshes are amortised, while a window slowed down by another process does
-not count); ``opt_step_median_ms`` (refresh steps excluded in effect) and ``opt_step_mean_ms``
-(every step) are recorded too. ``state_bytes``: DASH's ``state_bytes()`` (its stacked statistics,
+(``optimizer.step()``) is timed on its own. Step times are taken per 10-step window (the mean
+over the window: every window holds one root refresh of DASH and of Meta's Shampoo, so refreshes
+are amortised): ``opt_step_ms`` and ``train_step_ms`` are the fastest window's (other processes on
+a shared machine only ever add time; the table takes the fastest over the seeds), ``*_robust_ms``
+the median window's (``convergence.robust_step_ms``), and the window means are recorded;
+``opt_step_median_ms`` (refresh steps excluded in effect) and ``opt_step_mean_ms`` (every step)
+too. ``state_bytes``: DASH's ``state_bytes()`` (its stacked statistics,
 roots, momentum and grafting buffers live outside ``optimizer.state``, which holds only step
 counters), for the others the bytes of every distinct tensor storage reachable from
 ``optimizer.state`` (parameters excluded); ``state_bytes_walk`` is the latter for all.
@@ -60,8 +69,8 @@ counters), for the others the bytes of every distinct tensor storage reachable f
 Table, per width, at each contender's best lr: final validation loss (mean ± standard deviation
 and range over seeds), steps to AdamW's final loss (the target of a seed: AdamW's final
 validation loss at its best lr on that seed; the first evaluation at or below it; null if never)
-and its ratio to AdamW's, training seconds to it (measured, and estimated as steps x median
-training-step time), optimizer-step time and state bytes. The lr-transfer summary gives, per width,
+and its ratio to AdamW's, training seconds to it (measured, and estimated as steps x the fastest
+window's training-step time), optimizer-step time and state bytes. The lr-transfer summary gives, per width,
 the best lr of AdamW and of ``dash-eigh``, their ratio, and DASH's final loss at AdamW's best lr
 against at its own best.
 
@@ -70,6 +79,11 @@ optimizer x width x lr x seed x steps, with its curve; ``summary``: the tables),
 file already there (a new record replaces one with the same key, others are kept), and
 ``peers_<device>_w<width>.png`` (mean validation loss at the best lr against steps and against
 training wall time). ``--report-only`` rebuilds the summary and the plots from the JSON.
+
+Threads: one by default (``--threads``). On this project's 2-core machine, shared with test runs
+that do not wait for the benchmarks, a busy second process slowed torch's two threads about 10x
+(AdamW's 200 steps: 24 s alone, 272 s beside a test run), while one thread keeps to its core.
+The thread count changes losses in their last digits (other splits of the sums), not the race.
 
 Defaults (what ``make bench-peers`` runs, and what the committed JSON holds): 200 steps,
 evaluation every 10 steps on 256 validation windows, widths 128 (478,976 parameters) and 256
@@ -116,12 +130,15 @@ DASH_BLOCK_SIZE = 256
 DASH_FREQUENCY = 10
 #: The main job's seed of its validation windows (``StdlibBytes.val_dataloader``).
 VALIDATION_SEED = 12345
-#: Learning rates of AdamW and SOAP: halvings and doublings around the main job's AdamW lr (6e-3).
-ADAM_SCALE_LRS = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
-#: Learning rates of the Adam-grafted Shampoos (DASH, Meta's) and PSGD-Kron: the same grid one doubling
-#: up (three values shared), around the main job's DASH lr (1.2e-2, twice AdamW's); PSGD-Kron was far
-#: behind at 2e-3 after 40 steps and best at 2.4e-2 of {2e-3, 6e-3, 1.2e-2, 2.4e-2}.
-GRAFTED_LRS = (6e-3, 1.2e-2, 2.4e-2, 4.8e-2)
+#: AdamW's learning rates: halvings and doublings around the main job's AdamW lr (6e-3).
+ADAMW_LRS = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
+#: SOAP's: AdamW's grid without its largest value (three points, for the time budget; a grid whose best
+#: lr is at its edge is extended, see --extend-edges).
+SOAP_LRS = (3e-3, 6e-3, 1.2e-2)
+#: The Adam-grafted Shampoos' (DASH, Meta's) and PSGD-Kron's: around the main job's DASH lr (1.2e-2,
+#: twice AdamW's). PSGD-Kron was far behind at 2e-3 after 40 steps and best at 2.4e-2 of
+#: {2e-3, 6e-3, 1.2e-2, 2.4e-2}.
+GRAFTED_LRS = (6e-3, 1.2e-2, 2.4e-2)
 
 
 # ---------------------------------------------------------------------- contenders
@@ -146,9 +163,9 @@ DASH_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 CONTENDERS: dict[str, Contender] = {
-    "adamw": Contender("adamw", "adamw", ADAM_SCALE_LRS),
-    "muon": Contender("muon", "muon", (0.01, 0.02, 0.04, 0.08)),
-    "soap": Contender("soap", "soap", ADAM_SCALE_LRS, requires="heavyball"),
+    "adamw": Contender("adamw", "adamw", ADAMW_LRS),
+    "muon": Contender("muon", "muon", (0.01, 0.02, 0.04)),
+    "soap": Contender("soap", "soap", SOAP_LRS, requires="heavyball"),
     "psgd-kron": Contender("psgd-kron", "psgd", GRAFTED_LRS, requires="heavyball"),
     "meta-shampoo": Contender("meta-shampoo", "meta", GRAFTED_LRS, requires=_meta_shampoo.MODULE),
     **{name: Contender(name, "dash", GRAFTED_LRS, options) for name, options in DASH_VARIANTS.items()},
@@ -230,30 +247,31 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
             group["weight_decay"] = WEIGHT_DECAY
         return optimizer
     if family == "dash":
-        options = dict(contender.options)
+        # A variant's options override the shared ones.
+        options = {
+            "betas": BETAS,
+            "weight_decay": WEIGHT_DECAY,
+            "block_size": DASH_BLOCK_SIZE,
+            "precondition_frequency": DASH_FREQUENCY,
+            **contender.options,
+        }
         if "precondition" in options:
             options["model"] = model
         try:
-            return DASH(
-                model.parameters(),
-                lr=lr,
-                betas=BETAS,
-                weight_decay=WEIGHT_DECAY,
-                block_size=DASH_BLOCK_SIZE,
-                precondition_frequency=DASH_FREQUENCY,
-                **options,
-            )
-        except (TypeError, ValueError) as error:
-            # Only an option this DASH does not know makes a variant unavailable; anything else is a bug.
-            if any(name in str(error) for name in contender.options if name != "inverse_root_method"):
-                raise Unavailable(f"DASH does not take {sorted(contender.options)}: {error}") from error
+            return DASH(model.parameters(), lr=lr, **options)
+        except TypeError as error:
+            # Only an option this DASH does not know makes a variant unavailable ("unknown DASH option(s)
+            # [...]; known: [...]"); anything else is a bug.
+            unknown = str(error).split("; known", 1)[0]
+            if "unknown" in unknown and any(f"'{name}'" in unknown for name in contender.options):
+                raise Unavailable(f"DASH does not take {sorted(contender.options)}: {unknown}") from error
             raise
     raise ValueError(f"unknown family {family!r}")
 
 
 def optimizer_options(contender: Contender, lr: float, muon_adamw_lr: float) -> dict[str, Any]:
     """What a record says about how its optimizer was built."""
-    options: dict[str, Any] = {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}
+    options: dict[str, Any] = {"lr": lr, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
     if contender.family == "muon":
         options["adamw_lr"] = muon_adamw_lr
     if contender.family in ("meta", "dash"):
@@ -261,7 +279,7 @@ def optimizer_options(contender: Contender, lr: float, muon_adamw_lr: float) -> 
     if contender.family in ("soap", "psgd"):
         options["compile"] = False
     options.update(contender.options)
-    return options
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
 
 
 # ---------------------------------------------------------------------- state bytes
@@ -421,14 +439,26 @@ def train_run(
         "initial_val_loss": curve[0].val_loss,
         "final_val_loss": finite_or_none(curve[-1].val_loss),
         "wall_s": trained_s,
-        "train_step_ms": robust_step_ms(step_s),
-        "opt_step_ms": robust_step_ms(opt_s),
-        "opt_step_median_ms": 1e3 * statistics.median(opt_s) if opt_s else None,
-        "opt_step_mean_ms": 1e3 * statistics.mean(opt_s) if opt_s else None,
+        "train_step_ms": min(window_ms(step_s)),
+        "train_step_robust_ms": robust_step_ms(step_s),
+        "opt_step_ms": min(window_ms(opt_s)),
+        "opt_step_robust_ms": robust_step_ms(opt_s),
+        "opt_step_median_ms": 1e3 * statistics.median(opt_s),
+        "opt_step_mean_ms": 1e3 * statistics.mean(opt_s),
+        "train_window_ms": [round(v, 3) for v in window_ms(step_s)],
+        "opt_window_ms": [round(v, 3) for v in window_ms(opt_s)],
         "state_bytes": state_bytes(optimizer),
         "state_bytes_walk": state_walk_bytes(optimizer),
         "curve": [[p.step, round(p.wall_s, 4), finite_or_none(p.val_loss)] for p in curve],
     }
+
+
+def window_ms(step_s: list[float], window: int = DASH_FREQUENCY) -> list[float]:
+    """Mean step time of each full ``window``-step window, in ms (of the partial one if none is full).
+    Every window holds one root refresh of DASH and Meta's Shampoo."""
+    windows = [step_s[i : i + window] for i in range(0, len(step_s), window)]
+    full = [w for w in windows if len(w) == window] or windows
+    return [1e3 * sum(w) / len(w) for w in full] or [math.nan]
 
 
 def finite_or_none(value: float) -> float | None:
@@ -550,6 +580,7 @@ def summary_rows(records: list[dict], width: int, steps: int, names: list[str]) 
         finals = [r["final_val_loss"] for r in runs]
         finite = [v for v in finals if v is not None]
         reached_steps, ratios, walls, estimates = [], [], [], []
+        fastest_train_ms = min(r["train_step_ms"] for r in runs)
         for r in runs:
             if r["seed"] not in targets:
                 continue
@@ -558,7 +589,7 @@ def summary_rows(records: list[dict], width: int, steps: int, names: list[str]) 
             reached_steps.append(None if point is None else point.step)
             ratios.append(None if point is None or base is None else point.step / base.step)
             walls.append(None if point is None else point.wall_s)
-            estimates.append(None if point is None else point.step * r["train_step_ms"] / 1e3)
+            estimates.append(None if point is None else point.step * fastest_train_ms / 1e3)
         mean, sd = mean_sd(finite) if finite else (math.nan, math.nan)
         rows.append(
             {
@@ -575,10 +606,12 @@ def summary_rows(records: list[dict], width: int, steps: int, names: list[str]) 
                 "wall_s_to_adamw_final": walls,
                 "estimated_s_to_adamw_final": estimates,
                 "wall_s": statistics.mean(r["wall_s"] for r in runs),
-                "opt_step_ms": statistics.median(r["opt_step_ms"] for r in runs),
+                "opt_step_ms": min(r["opt_step_ms"] for r in runs),
+                "opt_step_robust_ms": statistics.median(r["opt_step_robust_ms"] for r in runs),
                 "opt_step_median_ms": statistics.median(r["opt_step_median_ms"] for r in runs),
                 "opt_step_mean_ms": statistics.median(r["opt_step_mean_ms"] for r in runs),
-                "train_step_ms": statistics.median(r["train_step_ms"] for r in runs),
+                "train_step_ms": fastest_train_ms,
+                "train_step_robust_ms": statistics.median(r["train_step_robust_ms"] for r in runs),
                 "state_bytes": runs[0]["state_bytes"],
                 "state_bytes_walk": runs[0]["state_bytes_walk"],
             }
@@ -708,7 +741,8 @@ def plot(records: list[dict], rows: list[dict], path: Path, title: str, target: 
     figure, (by_step, by_wall) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = plt.get_cmap("tab10").colors
     tail_low, tail_high = math.inf, -math.inf
-    for index, row in enumerate(r for r in rows if r["status"] != "unavailable"):
+    # The contenders only (a --dash-variant of an investigation is in the table, not in the plot).
+    for index, row in enumerate(r for r in rows if r["status"] != "unavailable" and r["optimizer"] in CONTENDERS):
         runs = [
             r
             for r in records
@@ -755,7 +789,7 @@ def report(records: list[dict], out: Path, device_name: str) -> dict:
     groups = sorted({(r["width"], r["steps"]) for r in records})
     for width, steps in groups:
         ran = {r["optimizer"] for r in records if r["width"] == width and r["steps"] == steps}
-        present = [n for n in CONTENDERS if n in ran] + sorted(ran - set(CONTENDERS))
+        present = [n for n in CONTENDERS if n in ran] + sorted(ran - set(CONTENDERS))  # variants last
         rows = summary_rows(records, width, steps, present)
         for row in rows:
             row.update(width=width, steps=steps)
@@ -872,7 +906,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
     parser.add_argument(
-        "--optimizers", type=parse_list, default=list(CONTENDERS), help="comma-separated contenders (default: all)"
+        "--optimizers",
+        type=parse_list,
+        default=None,
+        help="comma-separated contenders (default: all, or none besides the --dash-variant ones)",
     )
     parser.add_argument(
         "--large-optimizers",
@@ -901,6 +938,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help="lr grid (default: %(default)s)",
         )
     parser.add_argument(
+        "--dash-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='an extra DASH variant, its options as JSON (they override the shared ones; "lrs": its grid), '
+        'e.g. \'dash-f2={"inverse_root_method": "eigh", "precondition_frequency": 2, "lrs": [0.006]}\'; '
+        "(runs with the --optimizers given, else alone)",
+    )
+    parser.add_argument(
         "--muon-adamw-lr",
         type=float,
         default=None,
@@ -909,21 +955,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--extend-edges",
         type=int,
-        default=1,
+        default=2,
         help="at the main width, times a grid is extended by one doubling (halving) when its best lr is its "
         "largest (smallest) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default: %(default)s; on a shared 2-core machine a second busy process slowed "
+        "two threads 10x, see the module docstring)",
     )
     parser.add_argument("--resume", action="store_true", help="skip runs whose key is already in the JSON")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and plots from the JSON")
     args = parser.parse_args(argv)
-    unknown = set(args.optimizers) - set(CONTENDERS)
+    if args.optimizers is None:
+        args.optimizers = [] if args.dash_variant else list(CONTENDERS)
+    args.registry = dict(CONTENDERS)
+    for text in args.dash_variant:
+        name, _, options = text.partition("=")
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            parser.error(f"--dash-variant {text!r}: {error}")
+        lrs = tuple(options.pop("lrs", GRAFTED_LRS))
+        options = {key: tuple(value) if isinstance(value, list) else value for key, value in options.items()}
+        args.registry[name] = Contender(name, "dash", lrs, options)
+        if name not in args.optimizers:
+            args.optimizers.append(name)
+    unknown = set(args.optimizers) - set(args.registry)
     if unknown:
-        parser.error(f"unknown optimizer(s) {sorted(unknown)}; known: {list(CONTENDERS)}")
+        parser.error(f"unknown optimizer(s) {sorted(unknown)}; known: {list(args.registry)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     device_name = device_label(device)
     settings = Settings(
@@ -939,7 +1007,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = args.out / f"peers_{device_name}.json"
     records = load_records(path)
     # AdamW first: muon's AdamW part and the DASH lrs at larger widths use AdamW's best lr.
-    names = sorted(args.optimizers, key=lambda n: (n != "adamw", list(CONTENDERS).index(n)))
+    registry = args.registry
+    names = sorted(args.optimizers, key=lambda n: (n != "adamw", list(registry).index(n)))
     print(f"{device_name}, {environment()}")
     print(f"settings: {settings}")
     start = time.perf_counter()
@@ -947,14 +1016,17 @@ def main(argv: list[str] | None = None) -> dict:
         data = load_data(settings)
         print(f"corpus {data.corpus.train.numel():,} training / {data.corpus.validation.numel():,} validation bytes")
         main_width = args.widths[0]
-        warm_up([CONTENDERS[n] for n in names], main_width, settings, data, device)
+        warm_up([registry[n] for n in names], main_width, settings, data, device)
         for width in args.widths:
             large = width != main_width
             seeds = args.large_seeds if large else args.seeds
             for name in names:
                 if large and name not in args.large_optimizers:
                     continue
-                contender = replace(CONTENDERS[name], lrs=tuple(getattr(args, f"lrs_{name.replace('-', '_')}")))
+                flag = f"lrs_{name.replace('-', '_')}"
+                contender = registry[name]
+                if name in CONTENDERS:
+                    contender = replace(contender, lrs=tuple(getattr(args, flag)))
                 if large:
                     lrs = neighbour_lrs(records, contender, main_width, settings.steps)
                     adamw_lr = best_lr(records, "adamw", width, settings.steps)

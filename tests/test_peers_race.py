@@ -105,6 +105,12 @@ def test_routing_variants_and_unavailable_options():
         sizes[name] = peers.state_bytes(optimizer)
     # "hidden" leaves the byte embedding and the head (256 x 32 each) to the grafting optimizer.
     assert sizes["dash-eigh-hidden"] < sizes["dash-eigh"]
+    # A variant's options override the shared ones; --dash-variant adds one from the command line.
+    args = peers.parse_args(["--dash-variant", 'dash-f1={"precondition_frequency": 1, "lrs": [0.01]}'])
+    assert args.optimizers == ["dash-f1"] and args.registry["dash-f1"].lrs == (0.01,)
+    optimizer = peers.build(args.registry["dash-f1"], model, 1e-2, 6e-3)
+    assert optimizer.param_groups[0]["precondition_frequency"] == 1
+    assert optimizer.param_groups[0]["weight_decay"] == peers.WEIGHT_DECAY
     unknown = peers.Contender("dash-new", "dash", (1e-2,), {"no_such_option": 1})
     with pytest.raises(peers.Unavailable):
         peers.build(unknown, model, 1e-2, 6e-3)
@@ -128,7 +134,9 @@ def curve_record(name: str, lr: float, seed: int, losses: list[float | None], st
         "final_val_loss": losses[-1],
         "wall_s": float(len(losses) - 1),
         "train_step_ms": step_ms,
+        "train_step_robust_ms": step_ms,
         "opt_step_ms": 1.0,
+        "opt_step_robust_ms": 1.0,
         "opt_step_median_ms": 1.0,
         "opt_step_mean_ms": 1.0,
         "state_bytes": 800,

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 
-def inverse_fourth_root(matrix: Tensor, eps: float) -> Tensor:
-    """``(matrix + eps I)^(-1/4)`` in float64, clamping rounding negatives at zero."""
+def inverse_root(matrix: Tensor, eps: float, order: int = 4) -> Tensor:
+    """``(matrix + eps I)^(-1/order)`` in float64, clamping rounding negatives at zero."""
     values, vectors = torch.linalg.eigh(matrix.double())
-    return (vectors * (values.clamp_min(0) + eps).pow(-0.25)) @ vectors.T
+    return (vectors * (values.clamp_min(0) + eps).pow(-1.0 / order)) @ vectors.T
 
 
 def tiles(rows: int, cols: int, block: int) -> list[tuple[slice, slice]]:
@@ -50,6 +50,7 @@ class ReferenceDash:
     grafting: str = "adam"
     grafting_beta2: float = 0.95
     grafting_epsilon: float = 1e-8
+    root_order: int = 4
     root_delay: int = 0
     state: dict = field(default_factory=dict)
 
@@ -122,8 +123,8 @@ class ReferenceDash:
             if due:
                 correction = 1 - b2**t if b2 < 1 else 1.0
                 left_factor, right_factor = st["L"] / correction, st["R"] / correction
-                left = inverse_fourth_root(left_factor, self._damping(left_factor))
-                right = inverse_fourth_root(right_factor, self._damping(right_factor))
+                left = inverse_root(left_factor, self._damping(left_factor), self.root_order)
+                right = inverse_root(right_factor, self._damping(right_factor), self.root_order)
                 if self.root_delay == 0:
                     st["Lr"], st["Rr"] = left, right
                 else:

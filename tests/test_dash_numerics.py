@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import ReferenceDash, inverse_fourth_root
+from reference import ReferenceDash, inverse_root
 
 from lightning_dash import DASH
 
@@ -64,9 +64,23 @@ def test_raw_direction_is_left_and_right_inverse_fourth_roots(method, dtype, sca
         matmul_dtype=dtype,
         block_size=64,
     )
-    expected = inverse_fourth_root(grad @ grad.T, eps) @ grad @ inverse_fourth_root(grad.T @ grad, eps)
+    expected = inverse_root(grad @ grad.T, eps) @ grad @ inverse_root(grad.T @ grad, eps)
     error = (direction - expected).norm() / expected.norm()
     assert error < DIRECTION_TOLERANCE[(method, dtype)]
+
+
+@pytest.mark.parametrize("method", ["eigh", "newton_db", "coupled_newton", "chebyshev"])
+@pytest.mark.parametrize("shape", [(24, 24), (20, 12), (9, 30)])
+def test_root_order_2_takes_inverse_square_roots_of_both_factors(method, shape):
+    grad = controlled_matrix(*shape, low=1.0, high=3.0, seed=sum(shape))
+    eps = 0.05
+    options = dict(epsilon=eps, relative_epsilon=False, inverse_root_method=method, block_size=64)
+    direction = one_raw_step(grad, root_order=2, **options)
+    expected = inverse_root(grad @ grad.T, eps, 2) @ grad @ inverse_root(grad.T @ grad, eps, 2)
+    assert (direction - expected).norm() / expected.norm() < DIRECTION_TOLERANCE[(method, torch.float32)]
+    # The fourth roots are a different direction (the test can tell them apart).
+    fourth = inverse_root(grad @ grad.T, eps) @ grad @ inverse_root(grad.T @ grad, eps)
+    assert (fourth / fourth.norm() - expected / expected.norm()).norm() > 0.05
 
 
 @pytest.mark.parametrize("method,tolerance", [("eigh", 1e-4), ("newton_db", 3e-4), ("coupled_newton", 1e-4)])
@@ -114,6 +128,15 @@ def test_full_update_matches_reference_on_odd_shapes(block_size):
     # that noise for a float32 optimizer to agree with a float64 reference.
     shapes = [(1030, 17), (7, 5), (16, 3, 3, 3), (17,), (5, 7)]
     options = dict(lr=0.01, betas=(0.9, 0.95), epsilon=0.1, weight_decay=0.1, precondition_frequency=2)
+    params, expected = run_against_reference(shapes, block_size, **options)
+    for param, reference in zip(params, expected):
+        torch.testing.assert_close(param.detach().double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 1024])
+def test_full_update_with_square_roots_matches_reference(block_size):
+    shapes = [(1030, 17), (7, 5), (16, 3, 3, 3), (17,)]
+    options = dict(lr=0.01, epsilon=0.1, weight_decay=0.1, precondition_frequency=2, root_order=2)
     params, expected = run_against_reference(shapes, block_size, **options)
     for param, reference in zip(params, expected):
         torch.testing.assert_close(param.detach().double(), reference, rtol=1e-4, atol=1e-5)

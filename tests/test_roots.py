@@ -7,7 +7,15 @@ import torch
 
 from lightning_dash.optim.newton_roots import planned_scaled_iterations
 from lightning_dash.optim.op_counts import count_ops
-from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings, chebyshev_floor, inverse_root, spectrum_floor
+from lightning_dash.optim.roots import (
+    INVERSE_ROOT_METHODS,
+    MAX_ROOT_ERROR,
+    RootSettings,
+    chebyshev_floor,
+    failure_residual,
+    inverse_root,
+    spectrum_floor,
+)
 from lightning_dash.optim.scaling import frobenius_scale, power_iteration_scale
 
 
@@ -209,3 +217,11 @@ def test_newton_roots_of_rank_deficient_factors_at_the_default_damping(method, s
     error = ((result.root.double() - expected).norm(dim=(1, 2)) / expected.norm(dim=(1, 2))).max().item()
     assert error < 3e-3
     assert result.residual.max() < 2e-5
+
+
+@pytest.mark.parametrize("order", [2, 4])
+def test_failure_residual_allows_the_largest_root_error_at_each_order(order):
+    # A residual r of P = X^p A leaves the root's eigenvalues off by (1 - r)^(1/p): at the
+    # threshold, exactly MAX_ROOT_ERROR (float32's roundoff floor is far below it).
+    limit = failure_residual(RootSettings(order=order))
+    assert 1.0 - (1.0 - limit) ** (1.0 / order) == pytest.approx(MAX_ROOT_ERROR)

@@ -302,6 +302,8 @@ def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
     [
         ({"block_size": 0}, ValueError, "block_size"),
         ({"inverse_root_method": "qr"}, ValueError, "inverse_root_method"),
+        ({"root_order": 3}, ValueError, "root_order"),
+        ({"root_order": True}, ValueError, "root_order"),
         ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
         ({"epsilon": -1.0}, ValueError, "epsilon"),
         ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),

@@ -34,6 +34,8 @@ AUTO = "auto"
 #: Relative damping of the factors (see ``epsilon``), chosen by measurement
 #: (``benchmarks/damping.py``; docs/benchmarks.md, Damping).
 DEFAULT_EPSILON = 1e-6
+#: The inverse-root orders :attr:`DashConfig.root_order` takes.
+ROOT_ORDERS = (2, 4)
 
 
 def _option(default: Any, doc: str, check: Callable[[str, Any], Any], per_group: bool = False) -> Any:
@@ -66,6 +68,13 @@ def _at_least(low: int) -> Callable[[str, Any], int]:
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return lambda name, value: check_choice(name, value, choices)
+
+
+def _root_order(name: str, value: Any) -> int:
+    # The Newton solvers take p-th roots for p a power of two; 2 and 4 are the ones that make sense.
+    if isinstance(value, bool) or value not in ROOT_ORDERS:
+        raise ValueError(f"{name} must be one of {ROOT_ORDERS}, got {value!r}")
+    return int(value)
 
 
 def _matmul_dtype(name: str, value: Any) -> str:
@@ -148,6 +157,12 @@ class DashConfig:
         "roundoff-level null space of a rank-deficient factor as null; the iterative solvers "
         "(coupled_newton, newton_db, chebyshev) need a larger epsilon",
         _one_of((AUTO, *INVERSE_ROOT_METHODS)),
+    )
+    root_order: int = _option(
+        4,
+        "p of the inverse p-th root taken of each Kronecker factor: 4, Shampoo's L^(-1/4) G R^(-1/4); 2, "
+        "L^(-1/2) G R^(-1/2), the square root of the Kronecker-factored full-matrix preconditioner",
+        _root_order,
     )
     matrix_scaling: str = _option(
         "power_iteration", "spectrum bound of the Newton and Chebyshev solvers", _one_of(MATRIX_SCALINGS)
@@ -232,6 +247,7 @@ class DashConfig:
             iterations=self.root_iterations,
             chebyshev_degree=self.chebyshev_degree,
             relative_epsilon=self.relative_epsilon,
+            order=self.root_order,
         )
 
 

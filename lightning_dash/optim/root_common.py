@@ -45,6 +45,7 @@ class RootSettings:
     chebyshev_degree: int = 40
     tolerance: float | None = None
     relative_epsilon: bool = False
+    order: int = 4
 
     def resolved_tolerance(self) -> float:
         return DEFAULT_TOLERANCE[self.matmul_dtype] if self.tolerance is None else self.tolerance
@@ -57,15 +58,15 @@ MAX_ROOT_ERROR = 0.1
 def failure_residual(settings: RootSettings) -> float:
     """Residual above which a Newton root counts as failed.
 
-    Both Newton solvers run the coupled iteration of ``A^(-1/4)`` (Newton-DB with
-    per-step scalings planned on the host) and report ``max|I - P|`` for the product
-    ``P = X^4 A``, whose eigenvalues ``w`` tend to 1; the root's eigenvalues are then off
-    by the factor ``w^(1/4)``. A residual ``r`` thus allows an error of
-    ``1 - (1 - r)^(1/4)``; the threshold ``1 - (1 - MAX_ROOT_ERROR)^4`` (0.34) accepts at
-    most :data:`MAX_ROOT_ERROR`. It is never below four times the convergence tolerance
-    of the matmul dtype, the residual roundoff alone leaves.
+    Both Newton solvers run the coupled iteration of ``A^(-1/p)`` (``p = settings.order``;
+    Newton-DB with per-step scalings planned on the host) and report ``max|I - P|`` for the
+    product ``P = X^p A``, whose eigenvalues ``w`` tend to 1; the root's eigenvalues are then
+    off by the factor ``w^(1/p)``. A residual ``r`` thus allows an error of
+    ``1 - (1 - r)^(1/p)``; the threshold ``1 - (1 - MAX_ROOT_ERROR)^p`` (0.34 for the fourth
+    root, 0.19 for the square root) accepts at most :data:`MAX_ROOT_ERROR`. It is never below
+    four times the convergence tolerance of the matmul dtype, the residual roundoff alone leaves.
     """
-    theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** 4
+    theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** settings.order
     return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_dtype])
 
 

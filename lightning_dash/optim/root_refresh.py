@@ -218,7 +218,7 @@ class RootRefresher:
 
     def _solve(self, job: RootJob) -> list[RootResult]:
         return [
-            self.solver(request.inputs, request.eps, 4, self.settings, request.scale, request.min_eps)
+            self.solver(request.inputs, request.eps, self.settings.order, self.settings, request.scale, request.min_eps)
             for request in job.requests
         ]
 

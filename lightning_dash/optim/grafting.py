@@ -88,8 +88,13 @@ def block_norm(blocks: Tensor) -> Tensor:
 def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
     """Rescale each block of ``direction`` to the Frobenius norm of ``reference``.
 
-    Blocks are indexed by the leading dimension. A zero ``direction`` stays zero.
+    Blocks are indexed by the leading dimension. A zero ``direction`` stays zero. The
+    ratio of the norms is applied as its square root, twice: with ``root_order=2`` the raw
+    direction scales like the inverse of the gradients (1e30 at gradients of 1e-30), and the
+    ratio itself (1e-52 there) would underflow the direction's dtype, while its square root
+    stays in range wherever both norms are.
     """
     current = block_norm(direction)
     ratio = torch.where(current > 0, block_norm(reference) / current, 0.0)
-    return direction * ratio.clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
+    half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
+    return direction * half * half

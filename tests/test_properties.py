@@ -52,6 +52,7 @@ def cases(draw):
         block_size=draw(st.sampled_from([4, 8, 64])),
         log_scale=draw(st.floats(min_value=-30.0, max_value=20.0)),
         frequency=draw(st.sampled_from([1, 2])),
+        root_order=draw(st.sampled_from([4, 2])),
         steps=steps,
         faults=draw(st.sets(st.integers(min_value=0, max_value=steps - 1), max_size=2)),
         fault_value=draw(st.sampled_from([math.nan, math.inf, -math.inf])),
@@ -69,7 +70,11 @@ def test_random_cases_stay_finite_match_float64_and_count_every_fault(case):
     dtype = case["param_dtype"]
     params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in case["shapes"]]
     options = dict(
-        lr=1.0, epsilon=case["epsilon"], block_size=case["block_size"], precondition_frequency=case["frequency"]
+        lr=1.0,
+        epsilon=case["epsilon"],
+        block_size=case["block_size"],
+        precondition_frequency=case["frequency"],
+        root_order=case["root_order"],
     )
     optimizer = DASH(
         params,

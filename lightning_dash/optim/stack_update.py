@@ -363,9 +363,9 @@ def direct_blocks(
     rules: UpdateRules,
     started: bool,
 ) -> Tensor:
-    """A stack's update (pure): the Shampoo direction ``L^(-1/4) M R^(-1/4)`` grafted to the
-    grafting optimizer's norm and blended with it where ``use`` (valid roots, started),
-    else the grafting direction; times ``-lr``."""
+    """A stack's update (pure): the Shampoo direction ``L^(-1/p) M R^(-1/p)`` (the roots hold
+    ``p = root_order``) grafted to the grafting optimizer's norm and blended with it where
+    ``use`` (valid roots, started), else the grafting direction; times ``-lr``."""
     fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
     if not started:
         return fallback * neg_lr

@@ -41,6 +41,7 @@ from lightning_dash import DeMo
 from lightning_dash.demos import TinyGPT, load_stdlib_corpus
 from lightning_dash.distributed import ProcessGroupDistributor
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 
 WORLD_SIZE = 2
@@ -73,6 +74,7 @@ def make_optimizer(mode: str, model: TinyGPT, topk: int, momentum: float):
 def train(rank: int, mode: str, steps: int, topk: int, momentum: float, init_file: str, out_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    settle_gloo_workers_at_exit()  # no SIGABRT at exit (see its module)
     corpus = load_stdlib_corpus(max_bytes=1_000_000)
     torch.manual_seed(0)
     model = TinyGPT(context=CONTEXT)

@@ -74,6 +74,7 @@ from fsdp_estimate import BLOCK_SCALAR_BYTES, fsdp_bytes_per_step, meta_paramete
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 
 RESULTS_PATH = RESULTS_DIR / "fsdp_cpu.json"
 BOUND_SLACK = 1.1
@@ -222,6 +223,7 @@ def worker(rank: int, world_size: int, s: Settings, init_file: str, out_file: st
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
     )
+    settle_gloo_workers_at_exit()  # no SIGABRT at exit (see its module)
     try:
         generator = torch.Generator().manual_seed(1)
         batches = []

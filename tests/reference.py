@@ -45,12 +45,14 @@ class ReferenceDash:
     relative_epsilon: bool = True
     weight_decay: float = 0.0
     block_size: int = 1024
-    precondition_frequency: int = 10
+    precondition_frequency: int = 2
     start_preconditioning_step: int = 1
     grafting: str = "adam"
     grafting_beta2: float = 0.95
     grafting_epsilon: float = 1e-8
-    root_order: int = 4
+    root_order: int = 2
+    nesterov: bool = True
+    lr_scale: float = 1.0
     root_delay: int = 0
     state: dict = field(default_factory=dict)
 
@@ -62,10 +64,15 @@ class ReferenceDash:
                 self._vector_step(index, param, grad)
 
     def _adam_direction(self, st: dict, grad: Tensor, t: int) -> Tensor:
+        """The bias-corrected momentum the step follows (Nesterov: ``b1 m_t + (1 - b1) g_t``, corrected
+        by ``1 - b1^(t+1)``) and Adam's direction from it."""
         b1 = self.betas[0]
         st["m"] = b1 * st["m"] + (1 - b1) * grad
         st["v"] = self.grafting_beta2 * st["v"] + (1 - self.grafting_beta2) * grad * grad
-        m_hat = st["m"] / (1 - b1**t)
+        if self.nesterov:
+            m_hat = (b1 * st["m"] + (1 - b1) * grad) / (1 - b1 ** (t + 1))
+        else:
+            m_hat = st["m"] / (1 - b1**t)
         v_hat = st["v"] / (1 - self.grafting_beta2**t)
         return m_hat, m_hat / (v_hat.sqrt() + self.grafting_epsilon)
 
@@ -73,7 +80,7 @@ class ReferenceDash:
         st = self.state.setdefault(index, {"t": 0, "m": torch.zeros_like(param), "v": torch.zeros_like(param)})
         st["t"] += 1
         _, direction = self._adam_direction(st, grad.double(), st["t"])
-        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * direction)
+        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * self.lr_scale * direction)
 
     def _damping(self, factor: Tensor) -> float:
         """``epsilon``, times the factor's Frobenius norm when it is relative."""
@@ -136,4 +143,4 @@ class ReferenceDash:
                 direction = shampoo
             else:
                 direction = adam
-            weight[rs, cs] -= self.lr * direction
+            weight[rs, cs] -= self.lr * self.lr_scale * direction

@@ -216,7 +216,17 @@ def test_meta_shampoo_matches_dash_on_matrices():
     shared = {"lr": 0.01, "betas": (0.9, 0.999), "block_size": 32, "precondition_frequency": 1}
     grafting = {"grafting_beta2": 0.999, "grafting_epsilon": 1e-8}
     ours, theirs = [p.clone().requires_grad_() for p in initial], [p.clone().requires_grad_() for p in initial]
-    dash = DASH(ours, **shared, **grafting, inverse_root_method="eigh", epsilon=1e-6, relative_epsilon=False)
+    # Meta's Shampoo takes fourth roots and plain momentum (DASH's defaults before version 0.4).
+    dash = DASH(
+        ours,
+        **shared,
+        **grafting,
+        inverse_root_method="eigh",
+        epsilon=1e-6,
+        relative_epsilon=False,
+        root_order=4,
+        nesterov=False,
+    )
     meta = _meta_shampoo.build_meta_shampoo(theirs, **shared, **grafting, epsilon=1e-6)
     for step_grads in gradients:
         for params in (ours, theirs):

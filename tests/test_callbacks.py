@@ -172,12 +172,14 @@ def test_grafting_switches_once_at_switch_step(tmp_path):
     module = fit(tmp_path, 6, [schedule])
     assert [r["grafting"] for r in module.records] == ["adam"] * 3 + ["sgd"] * 3
     assert schedule.switched and module.trainer.optimizers[0].grafting == "sgd"
-    # From step t = 4 on, the first bias moves by an SGD step: lr times the bias-corrected momentum.
+    # From step t = 4 on, the first bias moves by an SGD step: lr times the bias-corrected Nesterov momentum
+    # 0.9 m_t + 0.1 g_t, whose weights sum to 1 - 0.9^(t+1).
     momentum = torch.zeros(5)
     for record in module.records[:4]:
         momentum = 0.9 * momentum + 0.1 * record["grads"][1]
+    nesterov = 0.9 * momentum + 0.1 * module.records[3]["grads"][1]
     sgd_step = module.records[3]["after"][1] - module.records[3]["before"][1]
-    torch.testing.assert_close(sgd_step, -LR * momentum / (1 - 0.9**4), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(sgd_step, -LR * nesterov / (1 - 0.9**5), rtol=1e-5, atol=1e-8)
     assert GraftingSchedule(1, 4, final_grafting="rmsprop").switch_step == 5
 
 

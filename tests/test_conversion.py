@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_dash import DASH
+from lightning_dash.optim.conversion import ADAM_LR_SCALE
 
 
 def model() -> torch.nn.Module:
@@ -36,13 +37,16 @@ def test_adamw_maps_onto_adam_grafting_and_shares_groups():
 
 
 def test_first_step_from_adamw_with_blend_zero_is_adamws_step():
-    """With the Shampoo direction blended out, the converted optimizer takes AdamW's step."""
+    """With the Shampoo direction blended out, plain momentum and no lr scale, the converted optimizer
+    takes AdamW's step."""
     reference, converted = model(), model()
     grads = [torch.randn_like(p) for p in reference.parameters()]
     adamw = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     dash = DASH.from_optimizer(
         torch.optim.AdamW(converted.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
         shampoo_blend=0.0,
+        nesterov=False,
+        lr_scale=1.0,
     )
     for p, q, g in zip(reference.parameters(), converted.parameters(), grads):
         p.grad, q.grad = g.clone(), g.clone()
@@ -50,6 +54,37 @@ def test_first_step_from_adamw_with_blend_zero_is_adamws_step():
     dash.step()
     for p, q in zip(reference.parameters(), converted.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_from_adamw_scales_the_update_by_the_measured_lr_ratio_but_not_the_weight_decay():
+    """AdamW's recipe carries over with ``lr_scale=ADAM_LR_SCALE``: W (1 - lr wd) - 8 lr d, which is
+    AdamW's own step at lr 8 lr and weight decay wd / 8 (the same decay factor)."""
+    assert ADAM_LR_SCALE == 8.0
+    reference, converted = model(), model()
+    lr, decay = 0.01, 0.1
+    adamw = torch.optim.AdamW(
+        reference.parameters(), lr=ADAM_LR_SCALE * lr, betas=(0.9, 0.999), weight_decay=decay / ADAM_LR_SCALE
+    )
+    source = torch.optim.AdamW(converted.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=decay)
+    dash = DASH.from_optimizer(source, shampoo_blend=0.0, nesterov=False)
+    assert dash.lr_scale == ADAM_LR_SCALE and dash.param_groups[0]["lr"] == lr  # schedulers still see AdamW's lr
+    for _ in range(3):
+        for p, q in zip(reference.parameters(), converted.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        adamw.step()
+        dash.step()
+    for p, q in zip(reference.parameters(), converted.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_lr_scale_of_a_conversion_is_overridable_and_only_adam_sources_take_it():
+    net = model()
+    assert DASH.from_optimizer(torch.optim.AdamW(net.parameters()), lr_scale=1.0).lr_scale == 1.0
+    assert DASH.from_optimizer(torch.optim.Adam(net.parameters())).lr_scale == ADAM_LR_SCALE
+    assert DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)).lr_scale == 1.0
+    assert not DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)).nesterov
+    assert DASH.from_optimizer(torch.optim.AdamW(net.parameters())).nesterov  # DASH's default
 
 
 def test_sgd_with_momentum_and_nesterov():

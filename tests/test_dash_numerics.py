@@ -19,8 +19,10 @@ def controlled_matrix(rows: int, cols: int, low: float, high: float, seed: int) 
 
 
 def one_raw_step(grad: torch.Tensor, **options) -> torch.Tensor:
-    """The first DASH direction for ``grad`` from zero state with lr=1 and a zero weight."""
+    """The first DASH direction for ``grad`` from zero state with lr=1 and a zero weight
+    (Shampoo's fourth roots unless ``root_order`` says otherwise)."""
     weight = torch.zeros(grad.shape, requires_grad=True)
+    options.setdefault("root_order", 4)
     opt = DASH([weight], lr=1.0, betas=(0.0, 0.95), grafting="none", precondition_frequency=1, **options)
     weight.grad = grad.float()
     opt.step()
@@ -134,9 +136,17 @@ def test_full_update_matches_reference_on_odd_shapes(block_size):
 
 
 @pytest.mark.parametrize("block_size", [4, 1024])
-def test_full_update_with_square_roots_matches_reference(block_size):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"root_order": 4, "nesterov": False, "precondition_frequency": 10},  # the defaults before version 0.4
+        {"lr_scale": 3.0},  # scales the update, not the weight decay
+    ],
+    ids=["fourth_roots_plain_momentum", "lr_scale"],
+)
+def test_full_update_with_non_default_variants_matches_reference(block_size, variant):
     shapes = [(1030, 17), (7, 5), (16, 3, 3, 3), (17,)]
-    options = dict(lr=0.01, epsilon=0.1, weight_decay=0.1, precondition_frequency=2, root_order=2)
+    options = dict(lr=0.01, epsilon=0.1, weight_decay=0.1, **variant)
     params, expected = run_against_reference(shapes, block_size, **options)
     for param, reference in zip(params, expected):
         torch.testing.assert_close(param.detach().double(), reference, rtol=1e-4, atol=1e-5)

@@ -27,7 +27,7 @@ def test_every_option_by_keyword_or_config_reaches_the_converted_optimizer(name)
 
 
 def test_overrides_are_the_changed_config_fields_then_the_given_keywords():
-    config = DashConfig(block_size=64, precondition_frequency=10, grafting_beta2=0.5)  # frequency: the default
+    config = DashConfig(block_size=64, precondition_frequency=2, grafting_beta2=0.5)  # frequency: the default
     conversion = ConversionOptions.build(config, block_size=32, epsilon=1e-4, grafting=None)
     assert dict(conversion.overrides) == {"block_size": 32, "grafting_beta2": 0.5, "epsilon": 1e-4}
     dash = conversion.convert(user_optimizer())

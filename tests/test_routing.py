@@ -107,7 +107,9 @@ def test_a_grafted_matrix_moves_exactly_as_adamw_moves_it():
     initial = torch.randn(7, 5, generator=generator, dtype=torch.float64)
     grads = [[g] for g in random_grads((7, 5), 4, seed=4)]
     routed, reference = nn.Parameter(initial.clone()), nn.Parameter(initial.clone())
-    dash = DASH([("table", routed)], precondition=set(), betas=(0.9, 0.95), grafting_beta2=0.99, **OPTIONS)
+    dash = DASH(
+        [("table", routed)], precondition=set(), betas=(0.9, 0.95), grafting_beta2=0.99, nesterov=False, **OPTIONS
+    )
     adamw = torch.optim.AdamW([reference], lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     train(dash, [routed], grads)
     train(adamw, [reference], grads)

@@ -125,6 +125,12 @@ class DashConfig:
         True, "whether epsilon is relative to each factor's norm (scale-invariant) or absolute", check_bool
     )
     weight_decay: float = _option(0.0, "decoupled weight decay, W <- W (1 - lr wd)", _non_negative, per_group=True)
+    lr_scale: float = _option(
+        1.0,
+        "multiplies every group's lr in the update, not in the weight decay (from_optimizer sets it for Adam-family "
+        "sources, so a tuned AdamW lr and its schedule carry over: see lightning_dash.optim.conversion)",
+        _positive,
+    )
     block_size: int = _option(1024, "largest tile side; remainders form smaller tiles", _at_least(1))
     precondition: PreconditionRule = _option(
         ALL_MATRICES,
@@ -142,7 +148,7 @@ class DashConfig:
         check_split_rows,
     )
     precondition_frequency: int = _option(
-        10, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
+        2, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
     )
     start_preconditioning_step: int = _option(
         1,
@@ -159,7 +165,7 @@ class DashConfig:
         _one_of((AUTO, *INVERSE_ROOT_METHODS)),
     )
     root_order: int = _option(
-        4,
+        2,
         "p of the inverse p-th root taken of each Kronecker factor: 4, Shampoo's L^(-1/4) G R^(-1/4); 2, "
         "L^(-1/2) G R^(-1/2), the square root of the Kronecker-factored full-matrix preconditioner",
         _root_order,
@@ -185,7 +191,7 @@ class DashConfig:
         _unit,
         per_group=True,
     )
-    nesterov: bool = _option(False, "use a Nesterov-style momentum in the direction", check_bool)
+    nesterov: bool = _option(True, "use a Nesterov-style momentum in the direction", check_bool)
     bias_correction: bool = _option(
         True, "correct momentum, factors and Adam's second moment for their zero initialisation", check_bool
     )

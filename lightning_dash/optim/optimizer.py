@@ -289,7 +289,7 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
             return loss
         self._advance(layout, active, 1)
         try:
-            rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction, self._config.compile)
+            rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction, self._config.compile, self.lr_scale)
             verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._distributor)
         except BaseException:
             self._advance(layout, active, -1)

@@ -34,6 +34,7 @@ class UpdateRules:
     nesterov: bool
     bias_correction: bool
     compiled: bool = False
+    lr_scale: float = 1.0
 
     @property
     def fallback(self) -> str:
@@ -195,7 +196,8 @@ def vector_work(
     graft_beta2 = group["grafting_beta2"]
     first = momentum_terms(rules, steps, [beta1] * len(steps))
     second = [1.0 - graft_beta2**t if rules.bias_correction else 1.0 for t in steps]
-    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [-group["lr"]] * len(steps)]
+    neg_lr = -group["lr"] * rules.lr_scale
+    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [neg_lr] * len(steps)]
     scalars = [
         v.view(-1) if isinstance(v, Tensor) else v for v in block_table(columns, numels, device, dtype, rules.compiled)
     ]
@@ -328,7 +330,7 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
         [1.0 - g["grafting_beta2"] ** t if rules.bias_correction else 1.0 for g, t in zip(groups, work.steps)],
         [g["grafting_epsilon"] for g in groups],
         [g["shampoo_blend"] for g in groups],
-        [-g["lr"] for g in groups],
+        [-g["lr"] * rules.lr_scale for g in groups],
     ]
     second_term, epsilon, blend, neg_lr = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
     started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]

@@ -9,8 +9,9 @@ stack), so the only difference from DASH is the loop over blocks instead of
 batched stacks. ``tests/test_benchmarks.py`` checks that both produce the same
 parameters.
 
-Only what the benchmark needs is supported: Adam grafting, no Nesterov, no
-distribution, no state dict, and gradients are assumed finite.
+Only what the benchmark needs is supported: Adam grafting, no distribution, no
+state dict, and gradients are assumed finite. Its defaults are DASH's (inverse square
+roots, Nesterov momentum, roots every 2 steps).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from lightning_dash.optim.config import DEFAULT_EPSILON
 from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.roots import RootSettings, inverse_root
-
-ROOT = 4
 
 
 @dataclass
@@ -88,7 +87,7 @@ class ShampooLoop(torch.optim.Optimizer):
         epsilon: float = DEFAULT_EPSILON,
         weight_decay: float = 0.0,
         block_size: int = 1024,
-        precondition_frequency: int = 10,
+        precondition_frequency: int = 2,
         start_preconditioning_step: int = 1,
         inverse_root_method: str = "eigh",
         matrix_scaling: str = "power_iteration",
@@ -98,6 +97,8 @@ class ShampooLoop(torch.optim.Optimizer):
         root_iterations: int | None = None,
         chebyshev_degree: int = 40,
         relative_epsilon: bool = True,
+        root_order: int = 2,
+        nesterov: bool = True,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "epsilon": epsilon, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -106,6 +107,7 @@ class ShampooLoop(torch.optim.Optimizer):
         self.start_preconditioning_step = start_preconditioning_step
         self.grafting_beta2 = grafting_beta2
         self.grafting_epsilon = grafting_epsilon
+        self.nesterov = nesterov
         self.root_settings = RootSettings(
             method=inverse_root_method,
             scaling=matrix_scaling,
@@ -113,6 +115,7 @@ class ShampooLoop(torch.optim.Optimizer):
             iterations=root_iterations,
             chebyshev_degree=chebyshev_degree,
             relative_epsilon=relative_epsilon,
+            order=root_order,
         )
 
     def _roots_due(self, step: int) -> bool:
@@ -120,9 +123,17 @@ class ShampooLoop(torch.optim.Optimizer):
         return step >= start and (step - start) % self.precondition_frequency == 0
 
     def _root(self, factor: Tensor, scale: Tensor, correction: float, eps: float) -> Tensor:
-        """``(scale * factor / correction + d I)^(-1/4)`` by the configured solver on a 1-block stack."""
+        """``(scale * factor / correction + d I)^(-1/p)`` by the configured solver on a 1-block stack."""
         damping = torch.full((1,), eps, device=factor.device)
-        return inverse_root(factor[None], damping, ROOT, self.root_settings, scale / correction, eps).root[0]
+        order = self.root_settings.order
+        return inverse_root(factor[None], damping, order, self.root_settings, scale / correction, eps).root[0]
+
+    def _followed(self, momentum: Tensor, grad: Tensor, beta1: float, step: int) -> Tensor:
+        """The bias-corrected momentum a step follows (Nesterov: ``b1 m_t + (1 - b1) g_t`` over
+        ``1 - b1^(t+1)``)."""
+        if self.nesterov:
+            return grad.lerp(momentum, beta1) / (1.0 - beta1 ** (step + 1))
+        return momentum / (1.0 - beta1**step)
 
     def _adam_direction(self, momentum: Tensor, second_moment: Tensor, step: int) -> Tensor:
         return grafting_direction(
@@ -160,7 +171,7 @@ class ShampooLoop(torch.optim.Optimizer):
         grad = param.grad.float()
         state["second_moment"] = next_rms(state["second_moment"], grad, "adam", self.grafting_beta2)
         state["momentum"].lerp_(grad, 1.0 - beta1)
-        momentum = state["momentum"] / (1.0 - beta1**step)
+        momentum = self._followed(state["momentum"], grad, beta1, step)
         param.add_(self._adam_direction(momentum, state["second_moment"], step), alpha=-group["lr"])
 
     def _matrix_step(self, param: Tensor, group: dict[str, Any]) -> None:
@@ -186,7 +197,7 @@ class ShampooLoop(torch.optim.Optimizer):
             block.left_factor, block.right_factor = left[0], right[0]
             block.second_moment = next_rms(block.second_moment, grad, "adam", self.grafting_beta2)
             block.momentum.lerp_(grad, 1.0 - beta1)
-            momentum = block.momentum / (1.0 - beta1**step)
+            momentum = self._followed(block.momentum, grad, beta1, step)
             if due:
                 self._refresh_roots(block, factor_correction, group["epsilon"])
             direction = self._adam_direction(momentum, block.second_moment, step)

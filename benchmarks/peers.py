@@ -32,18 +32,22 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
   grafting with beta2 0.95 and epsilon 1e-8, epsilon 1e-12, ``max_preconditioner_dim=256``,
   roots every 10 steps from step 10, no factors on vectors), with decoupled weight decay 0.01
   set on its groups (it reads ``weight_decay`` at every step).
-* DASH variants, each a name and its options (:data:`DASH_VARIANTS`): ``block_size=256``,
-  ``precondition_frequency=10``, Adam grafting, and ``inverse_root_method`` ``eigh`` or
-  ``newton_db``; the ``-hidden`` variants add ``precondition="hidden"`` (embeddings, output head,
-  tied weights and vectors go to the grafting optimizer) with ``model=model``; TinyGPT's position
-  table is a bare parameter, not an ``nn.Embedding``, so "hidden" still preconditions it (Muon's
-  split above gives it to AdamW). A variant whose options this version of DASH does not know is
-  recorded as ``unavailable`` and skipped.
+* DASH variants, each a name and its options (:data:`DASH_VARIANTS`): DASH's defaults (inverse
+  square roots, Nesterov momentum, roots every 2 steps, Adam grafting) with ``block_size=256`` and
+  ``inverse_root_method`` ``eigh`` or ``newton_db``; the ``-hidden`` variants add
+  ``precondition="hidden"`` (embeddings, output head, tied weights and vectors go to the grafting
+  optimizer) with ``model=model``; TinyGPT's position table is a bare parameter, not an
+  ``nn.Embedding``, so "hidden" still preconditions it (Muon's split above gives it to AdamW). A
+  variant whose options this version of DASH does not know is recorded as ``unavailable`` and
+  skipped. Records state the DASH options as the optimizer resolved them (:data:`DASH_RECORDED`).
+* ``dash-from-adamw``: the AdamW above handed to ``DASH.from_optimizer`` (``block_size=256``), as
+  the trainers' conversions do: AdamW's lr, DASH's ``lr_scale`` for Adam sources. It runs at AdamW's
+  best lr of the width only (the claim it tests: a tuned AdamW recipe is a good DASH recipe).
 
 Protocol, per width (``--widths``; the first is the main size, the others are "larger"): each
 contender runs every lr of its grid (``--lrs-<name>``; halvings and doublings: AdamW 3e-3 to
-2.4e-2 around the main job's AdamW lr, 6e-3, SOAP 3e-3 to 1.2e-2; DASH, Meta's Shampoo and
-PSGD-Kron 6e-3 to 2.4e-2 around the main job's DASH lr, 1.2e-2; Muon 0.01 to 0.04 around its
+2.4e-2 around the main job's AdamW lr, 6e-3, SOAP 3e-3 to 1.2e-2; Meta's Shampoo and PSGD-Kron
+6e-3 to 2.4e-2; DASH 1.2e-2 to 9.6e-2, around 8x AdamW's; Muon 0.01 to 0.04 around its
 documented 0.02) with
 the first seed of ``--seeds``; its best lr is the one with the lowest final validation loss
 (averaged over the seeds run at every lr of the grid). When that is the grid's largest (smallest)
@@ -56,8 +60,8 @@ that width, for the lr-transfer summary).
 Per run: validation loss every ``--eval-every`` steps; wall time counts training steps only
 (data, forward, backward, optimizer step, schedule), not evaluations; the optimizer step
 (``optimizer.step()``) is timed on its own. Step times are taken per 10-step window (the mean
-over the window: every window holds one root refresh of DASH and of Meta's Shampoo, so refreshes
-are amortised): ``opt_step_ms`` and ``train_step_ms`` are the fastest window's (other processes on
+over the window: every window holds whole refresh cycles of DASH (5) and of Meta's Shampoo (1), so
+refreshes are amortised): ``opt_step_ms`` and ``train_step_ms`` are the fastest window's (other processes on
 a shared machine only ever add time; the table takes the fastest over the seeds), ``*_robust_ms``
 the median window's (``convergence.robust_step_ms``), and the window means are recorded;
 ``opt_step_median_ms`` (refresh steps excluded in effect) and ``opt_step_mean_ms`` (every step)
@@ -71,8 +75,8 @@ and range over seeds), steps to AdamW's final loss (the target of a seed: AdamW'
 validation loss at its best lr on that seed; the first evaluation at or below it; null if never)
 and its ratio to AdamW's, training seconds to it (measured, and estimated as steps x the fastest
 window's training-step time), optimizer-step time and state bytes. The lr-transfer summary gives, per width,
-the best lr of AdamW and of ``dash-eigh``, their ratio, and DASH's final loss at AdamW's best lr
-against at its own best.
+the best lr of AdamW and of ``dash-eigh``, their ratio, DASH's final loss at AdamW's best lr
+against at its own best, and ``dash-from-adamw``'s at AdamW's best lr.
 
 Outputs in ``--out`` (default ``benchmarks/results``): ``peers_<device>.json`` (``records``: one per
 optimizer x width x lr x seed x steps, with its curve; ``summary``: the tables), merged with the
@@ -85,9 +89,11 @@ that do not wait for the benchmarks, a busy second process slowed torch's two th
 (AdamW's 200 steps: 24 s alone, 272 s beside a test run), while one thread keeps to its core.
 The thread count changes losses in their last digits (other splits of the sums), not the race.
 
-Defaults (what ``make bench-peers`` runs, and what the committed JSON holds): 200 steps,
-evaluation every 10 steps on 256 validation windows, widths 128 (478,976 parameters) and 256
-(1,744,128: 3.6x), seeds 0 1 2 at width 128 and 0 at 256. Run from the repository root::
+Defaults (what ``make bench-peers`` runs): 200 steps, evaluation every 10 steps on 256 validation
+windows, widths 128 (478,976 parameters) and 256 (1,744,128: 3.6x), seeds 0 1 2 at width 128 and 0
+at 256 (the committed JSON has three seeds at 256 too: ``--large-seeds 0 1 2``). A race split over
+processes runs each with its own ``--out`` and joins them with ``--merge``. Run from the repository
+root::
 
     flock /tmp/cpu_heavy.lock .venv/bin/python benchmarks/peers.py
     .venv/bin/python benchmarks/peers.py --optimizers dash-eigh-hidden,dash-newton_db-hidden
@@ -127,7 +133,11 @@ from lightning_dash.demos.stdlib_text import ByteCorpus, RandomWindows
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
 DASH_BLOCK_SIZE = 256
-DASH_FREQUENCY = 10
+#: Meta's Shampoo recomputes its roots every this many steps (as in the step-time benchmark).
+META_FREQUENCY = 10
+#: Steps per timing window: a multiple of DASH's root period (2) and Meta's (10), so every window
+#: holds whole refresh cycles.
+TIMING_WINDOW = 10
 #: The main job's seed of its validation windows (``StdlibBytes.val_dataloader``).
 VALIDATION_SEED = 12345
 #: AdamW's learning rates: halvings and doublings around the main job's AdamW lr (6e-3).
@@ -139,6 +149,9 @@ SOAP_LRS = (3e-3, 6e-3, 1.2e-2)
 #: twice AdamW's). PSGD-Kron was far behind at 2e-3 after 40 steps and best at 2.4e-2 of
 #: {2e-3, 6e-3, 1.2e-2, 2.4e-2}.
 GRAFTED_LRS = (6e-3, 1.2e-2, 2.4e-2)
+#: DASH's: with its defaults (square roots, Nesterov, roots every 2 steps) its best lr was 8x AdamW's in the
+#: investigation (4.8e-2 at width 128), so its grid is AdamW's times 4.
+DASH_LRS = (1.2e-2, 2.4e-2, 4.8e-2, 9.6e-2)
 
 
 # ---------------------------------------------------------------------- contenders
@@ -147,7 +160,7 @@ class Contender:
     """One optimizer of the race: how to build it, its lr grid, what it needs installed."""
 
     name: str
-    family: str  # adamw, muon, soap, psgd, meta, dash
+    family: str  # adamw, muon, soap, psgd, meta, dash, converted (AdamW turned into DASH by from_optimizer)
     lrs: tuple[float, ...]
     options: dict[str, Any] = field(default_factory=dict)
     #: a module that must be importable, or None
@@ -168,10 +181,11 @@ CONTENDERS: dict[str, Contender] = {
     "soap": Contender("soap", "soap", SOAP_LRS, requires="heavyball"),
     "psgd-kron": Contender("psgd-kron", "psgd", GRAFTED_LRS, requires="heavyball"),
     "meta-shampoo": Contender("meta-shampoo", "meta", GRAFTED_LRS, requires=_meta_shampoo.MODULE),
-    **{name: Contender(name, "dash", GRAFTED_LRS, options) for name, options in DASH_VARIANTS.items()},
+    **{name: Contender(name, "dash", DASH_LRS, options) for name, options in DASH_VARIANTS.items()},
+    "dash-from-adamw": Contender("dash-from-adamw", "converted", ADAMW_LRS),
 }
 #: The contenders that run at the larger widths by default.
-LARGE_DEFAULT = ("adamw", "muon", "soap", "dash-eigh")
+LARGE_DEFAULT = ("adamw", "muon", "soap", "dash-eigh", "dash-from-adamw")
 #: The DASH variant of the lr-transfer summary.
 TRANSFER_DASH = "dash-eigh"
 
@@ -239,22 +253,19 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
             lr=lr,
             betas=BETAS,
             block_size=DASH_BLOCK_SIZE,
-            precondition_frequency=DASH_FREQUENCY,
+            precondition_frequency=META_FREQUENCY,
             grafting_beta2=BETAS[1],
             grafting_epsilon=1e-8,
         )
         for group in optimizer.param_groups:  # the builder's 0 is the step-time benchmark's choice
             group["weight_decay"] = WEIGHT_DECAY
         return optimizer
+    if family == "converted":  # AdamW's recipe, lr included, handed to DASH as a trainer's conversion does
+        adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        return DASH.from_optimizer(adamw, block_size=DASH_BLOCK_SIZE, **contender.options)
     if family == "dash":
-        # A variant's options override the shared ones.
-        options = {
-            "betas": BETAS,
-            "weight_decay": WEIGHT_DECAY,
-            "block_size": DASH_BLOCK_SIZE,
-            "precondition_frequency": DASH_FREQUENCY,
-            **contender.options,
-        }
+        # DASH's defaults, but for the block size; a variant's options override the shared ones.
+        options = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "block_size": DASH_BLOCK_SIZE, **contender.options}
         if "precondition" in options:
             options["model"] = model
         try:
@@ -269,13 +280,22 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
     raise ValueError(f"unknown family {family!r}")
 
 
-def optimizer_options(contender: Contender, lr: float, muon_adamw_lr: float) -> dict[str, Any]:
+#: DASH options a record states as the optimizer resolved them (its defaults may change between versions).
+DASH_RECORDED = ("block_size", "root_order", "nesterov", "lr_scale", "inverse_root_method")
+
+
+def optimizer_options(
+    contender: Contender, lr: float, muon_adamw_lr: float, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """What a record says about how its optimizer was built."""
     options: dict[str, Any] = {"lr": lr, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
     if contender.family == "muon":
         options["adamw_lr"] = muon_adamw_lr
-    if contender.family in ("meta", "dash"):
-        options.update(block_size=DASH_BLOCK_SIZE, precondition_frequency=DASH_FREQUENCY)
+    if contender.family == "meta":
+        options.update(block_size=DASH_BLOCK_SIZE, precondition_frequency=META_FREQUENCY)
+    if isinstance(optimizer, DASH):
+        options.update({name: getattr(optimizer, name) for name in DASH_RECORDED})
+        options["precondition_frequency"] = optimizer.param_groups[0]["precondition_frequency"]
     if contender.family in ("soap", "psgd"):
         options["compile"] = False
     options.update(contender.options)
@@ -433,7 +453,7 @@ def train_run(
         "steps": settings.steps,
         "status": status,
         "note": note,
-        "options": optimizer_options(contender, lr, muon_adamw_lr),
+        "options": optimizer_options(contender, lr, muon_adamw_lr, optimizer),
         "settings": asdict(settings),
         "environment": environment(),
         "initial_val_loss": curve[0].val_loss,
@@ -453,9 +473,9 @@ def train_run(
     }
 
 
-def window_ms(step_s: list[float], window: int = DASH_FREQUENCY) -> list[float]:
+def window_ms(step_s: list[float], window: int = TIMING_WINDOW) -> list[float]:
     """Mean step time of each full ``window``-step window, in ms (of the partial one if none is full).
-    Every window holds one root refresh of DASH and Meta's Shampoo."""
+    Every window holds whole root-refresh cycles of DASH and Meta's Shampoo."""
     windows = [step_s[i : i + window] for i in range(0, len(step_s), window)]
     full = [w for w in windows if len(w) == window] or windows
     return [1e3 * sum(w) / len(w) for w in full] or [math.nan]
@@ -652,6 +672,23 @@ def lr_transfer(records: list[dict], width: int, steps: int, dash: str = TRANSFE
         "dash_loss_at_own_best": finite_or_none(own),
         "dash_loss_at_adamw_best": finite_or_none(borrowed),
         "lost": finite_or_none(borrowed - own) if seeds else None,
+        **converted_transfer(records, width, steps, adamw_lr, loss_score(list(at[dash_lr].values()))),
+    }
+
+
+def converted_transfer(
+    records: list[dict], width: int, steps: int, adamw_lr: float, own: float
+) -> dict[str, float | list[int] | None]:
+    """``from_optimizer``'s DASH (AdamW's lr times its ``lr_scale``) at AdamW's best lr: its mean final loss
+    over the seeds it ran, and that minus ``own``, DASH's at its own best lr (every seed run there)."""
+    runs = [r for r in runs_of(records, "dash-from-adamw", width, steps) if r["lr"] == adamw_lr]
+    if not runs:
+        return {}
+    loss = loss_score(runs)
+    return {
+        "converted_seeds": sorted(r["seed"] for r in runs),
+        "converted_loss_at_adamw_best": finite_or_none(loss),
+        "converted_lost": finite_or_none(loss - own),
     }
 
 
@@ -728,6 +765,12 @@ def transfer_text(transfer: dict[str, Any]) -> str:
         f"{transfer['dash_best_lr']:g} (ratio {transfer['ratio']:g}); {transfer['dash']} final loss at its own "
         f"best {fmt(transfer['dash_loss_at_own_best'])}, at AdamW's best {fmt(transfer['dash_loss_at_adamw_best'])} "
         f"(lost {fmt(transfer['lost'])}; seeds {transfer['seeds']})"
+        + (
+            f"; from_optimizer(AdamW) at AdamW's best {fmt(transfer['converted_loss_at_adamw_best'])} "
+            f"(lost {fmt(transfer['converted_lost'])}; seeds {transfer['converted_seeds']})"
+            if "converted_seeds" in transfer
+            else ""
+        )
     )
 
 
@@ -967,6 +1010,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "two threads 10x, see the module docstring)",
     )
     parser.add_argument("--resume", action="store_true", help="skip runs whose key is already in the JSON")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="results files whose records join the JSON first (a race split over processes with their own --out)",
+    )
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and plots from the JSON")
     args = parser.parse_args(argv)
     if args.optimizers is None:
@@ -1006,6 +1056,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     path = args.out / f"peers_{device_name}.json"
     records = load_records(path)
+    for other in args.merge:
+        records = merge(records, load_records(other))
     # AdamW first: muon's AdamW part and the DASH lrs at larger widths use AdamW's best lr.
     registry = args.registry
     names = sorted(args.optimizers, key=lambda n: (n != "adamw", list(registry).index(n)))
@@ -1027,7 +1079,10 @@ def main(argv: list[str] | None = None) -> dict:
                 contender = registry[name]
                 if name in CONTENDERS:
                     contender = replace(contender, lrs=tuple(getattr(args, flag)))
-                if large:
+                if contender.family == "converted":  # the claim under test: AdamW's best lr, unchanged
+                    adamw_lr = best_lr(records, "adamw", width, settings.steps)
+                    lrs = [adamw_lr] if adamw_lr is not None else list(contender.lrs)
+                elif large:
                     lrs = neighbour_lrs(records, contender, main_width, settings.steps)
                     adamw_lr = best_lr(records, "adamw", width, settings.steps)
                     if contender.family == "dash" and adamw_lr is not None and adamw_lr not in lrs:
@@ -1037,7 +1092,7 @@ def main(argv: list[str] | None = None) -> dict:
                 records, ok = run_grid(records, contender, lrs, seeds[:1], width, settings, data, device, args, path)
                 if not ok:
                     continue
-                for _ in range(0 if large else args.extend_edges):
+                for _ in range(0 if large or contender.family == "converted" else args.extend_edges):
                     beyond = edge_extension(records, name, width, settings.steps)
                     if beyond is None:
                         break

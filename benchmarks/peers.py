@@ -90,8 +90,7 @@ that do not wait for the benchmarks, a busy second process slowed torch's two th
 The thread count changes losses in their last digits (other splits of the sums), not the race.
 
 Defaults (what ``make bench-peers`` runs): 200 steps, evaluation every 10 steps on 256 validation
-windows, widths 128 (478,976 parameters) and 256 (1,744,128: 3.6x), seeds 0 1 2 at width 128 and 0
-at 256 (the committed JSON has three seeds at 256 too: ``--large-seeds 0 1 2``). A race split over
+windows, widths 128 (478,976 parameters) and 256 (1,744,128: 3.6x), seeds 0 1 2 at both. A race split over
 processes runs each with its own ``--out`` and joins them with ``--merge``. Run from the repository
 root::
 
@@ -962,7 +961,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="the first is the main width")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the first sweeps the lrs")
-    parser.add_argument("--large-seeds", type=int, nargs="+", default=[0], help="seeds at the larger widths")
+    parser.add_argument("--large-seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds at the larger widths")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
     parser.add_argument("--val-windows", type=int, default=defaults.val_windows)

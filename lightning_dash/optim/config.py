@@ -158,7 +158,7 @@ class DashConfig:
     )
     inverse_root_method: str = _option(
         "auto",
-        "solver of the inverse fourth roots: auto picks the fastest one at the required accuracy for the "
+        "solver of the inverse roots: auto picks the fastest one at the required accuracy for the "
         "parameters' device and the block size, as measured (eigh on CPU, newton_db on CUDA); eigh treats the "
         "roundoff-level null space of a rank-deficient factor as null; the iterative solvers "
         "(coupled_newton, newton_db, chebyshev) need a larger epsilon",

@@ -38,7 +38,7 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
     Each parameter of two or more dimensions is viewed as a matrix, cut into
     ``block_size`` tiles, and every tile keeps Kronecker factors
     ``L <- b2 L + (1 - b2) G G^T`` and ``R <- b2 R + (1 - b2) G^T G``. Its update is
-    ``L^(-1/4) M R^(-1/4)`` (M the gradient momentum), rescaled per block to the
+    ``L^(-1/p) M R^(-1/p)`` (M the gradient momentum, p = ``root_order``), rescaled per block to the
     norm of the grafting optimizer's update. One-dimensional parameters use the
     grafting optimizer alone (Adam when ``grafting="none"``), as do the parameters
     the ``precondition`` option routes there. All tiles of one shape, from every

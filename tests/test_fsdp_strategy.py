@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from test_strategy import clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
+from test_strategy import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -24,19 +24,8 @@ from lightning_dash import DASH, DashStrategy
 from lightning_dash.strategies.dash_fsdp import DashFSDPStrategy
 
 VOCAB, WIDTH, STEPS_PER_EPOCH, GLOBAL_BATCH, LENGTH = 11, 18, 4, 8, 6
-#: The parity checks below compare ranks with one process within 1e-4 of each parameter's movement.
-#: Their numerics are pinned to fourth roots, plain momentum and AdamW's own lr: the code that
-#: distributes the blocks does not depend on them, and with DASH's defaults (square roots, Nesterov,
-#: lr_scale 8) the trajectory itself amplifies a 1e-7 relative gradient perturbation, the size of
-#: the ranks' other summation order, to 5e-4 of the movement in one process (1e-5 with these).
-DASH_OPTIONS = {
-    "block_size": 8,
-    "precondition_frequency": 2,
-    "epsilon": 1e-4,
-    "root_order": 4,
-    "nesterov": False,
-    "lr_scale": 1.0,
-}
+#: Parity numerics pinned as in test_strategy (see PARITY_NUMERICS there).
+DASH_OPTIONS = {"block_size": 8, "precondition_frequency": 2, "epsilon": 1e-4, **PARITY_NUMERICS}
 
 
 class Block(nn.Module):

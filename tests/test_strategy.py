@@ -26,19 +26,14 @@ from lightning_dash.optim.config import OPTION_NAMES
 
 GLOBAL_BATCH = 16
 SAMPLES = 64  # four steps per epoch: checkpoints fall on epoch boundaries
-#: The parity checks below compare ranks with one process within 1e-4 of each parameter's movement.
+#: The parity checks (here, in test_fsdp_strategy and test_fabric) compare ranks with one process within
+#: 1e-4 of each parameter's movement.
 #: Their numerics are pinned to fourth roots, plain momentum and AdamW's own lr: the code that
 #: distributes the blocks does not depend on them, and with DASH's defaults (square roots, Nesterov,
 #: lr_scale 8) the trajectory itself amplifies a 1e-7 relative gradient perturbation, the size of
 #: the ranks' other summation order, to 5e-4 of the movement in one process (1e-5 with these).
-DASH_OPTIONS = {
-    "block_size": 16,
-    "precondition_frequency": 2,
-    "epsilon": 1e-4,
-    "root_order": 4,
-    "nesterov": False,
-    "lr_scale": 1.0,
-}
+PARITY_NUMERICS = {"root_order": 4, "nesterov": False, "lr_scale": 1.0}
+DASH_OPTIONS = {"block_size": 16, "precondition_frequency": 2, "epsilon": 1e-4, **PARITY_NUMERICS}
 
 
 def dataset() -> TensorDataset:

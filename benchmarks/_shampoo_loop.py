@@ -28,6 +28,7 @@ from lightning_dash.optim.config import DEFAULT_EPSILON
 from lightning_dash.optim.factors import accumulate_factors
 from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.roots import RootSettings, inverse_root
+from lightning_dash.optim.stack_update import UpdateRules, momentum_terms, next_momentum
 
 
 @dataclass
@@ -107,7 +108,7 @@ class ShampooLoop(torch.optim.Optimizer):
         self.start_preconditioning_step = start_preconditioning_step
         self.grafting_beta2 = grafting_beta2
         self.grafting_epsilon = grafting_epsilon
-        self.nesterov = nesterov
+        self.rules = UpdateRules("adam", nesterov, bias_correction=True)
         self.root_settings = RootSettings(
             method=inverse_root_method,
             scaling=matrix_scaling,
@@ -128,12 +129,10 @@ class ShampooLoop(torch.optim.Optimizer):
         order = self.root_settings.order
         return inverse_root(factor[None], damping, order, self.root_settings, scale / correction, eps).root[0]
 
-    def _followed(self, momentum: Tensor, grad: Tensor, beta1: float, step: int) -> Tensor:
-        """The bias-corrected momentum a step follows (Nesterov: ``b1 m_t + (1 - b1) g_t`` over
-        ``1 - b1^(t+1)``)."""
-        if self.nesterov:
-            return grad.lerp(momentum, beta1) / (1.0 - beta1 ** (step + 1))
-        return momentum / (1.0 - beta1**step)
+    def _followed(self, momentum: Tensor, grad: Tensor, beta1: float, step: int) -> tuple[Tensor, Tensor]:
+        """The next momentum and the bias-corrected momentum the step follows, by DASH's own rules."""
+        momentum, followed = next_momentum(self.rules, momentum, grad, beta1)
+        return momentum, followed / momentum_terms(self.rules, [step], [beta1])[0]
 
     def _adam_direction(self, momentum: Tensor, second_moment: Tensor, step: int) -> Tensor:
         return grafting_direction(
@@ -170,8 +169,7 @@ class ShampooLoop(torch.optim.Optimizer):
         step, beta1 = state["step"], group["betas"][0]
         grad = param.grad.float()
         state["second_moment"] = next_rms(state["second_moment"], grad, "adam", self.grafting_beta2)
-        state["momentum"].lerp_(grad, 1.0 - beta1)
-        momentum = self._followed(state["momentum"], grad, beta1, step)
+        state["momentum"], momentum = self._followed(state["momentum"], grad, beta1, step)
         param.add_(self._adam_direction(momentum, state["second_moment"], step), alpha=-group["lr"])
 
     def _matrix_step(self, param: Tensor, group: dict[str, Any]) -> None:
@@ -196,8 +194,7 @@ class ShampooLoop(torch.optim.Optimizer):
             )
             block.left_factor, block.right_factor = left[0], right[0]
             block.second_moment = next_rms(block.second_moment, grad, "adam", self.grafting_beta2)
-            block.momentum.lerp_(grad, 1.0 - beta1)
-            momentum = self._followed(block.momentum, grad, beta1, step)
+            block.momentum, momentum = self._followed(block.momentum, grad, beta1, step)
             if due:
                 self._refresh_roots(block, factor_correction, group["epsilon"])
             direction = self._adam_direction(momentum, block.second_moment, step)

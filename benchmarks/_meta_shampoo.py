@@ -32,6 +32,21 @@ Matched with DASH, as its README recommends for a comparison with an Adam-grafte
 ``epsilon`` is each optimizer's own recommended damping, not one number: DASH's is relative
 to each factor's Frobenius norm (default 1e-6), Meta's absolute (1e-12, its default and its
 README's recommendation). Neither changes an eigendecomposition's cost.
+
+DASH's recipe (``root_order``, ``nesterov``; the race's ``meta-shampoo-dash-recipe``), in
+Meta's public options:
+
+* ``root_order=p``: the exponent -1/p on each factor of a matrix,
+  ``inverse_exponent_override={2: 1/p}`` (Meta's value is the exponent's magnitude; its default
+  for an order-k tensor is 1/(2k), -1/4 on a matrix, so ``p=4`` is its default). Only matrices:
+  DASH preconditions nothing else.
+* ``nesterov=True``: DASH's Nesterov direction is ``beta1 m_t + (1 - beta1) g_t`` with
+  ``m_t = beta1 m_(t-1) + (1 - beta1) g_t``, bias-corrected by ``1 - beta1^(t+1)``. Meta's
+  ``beta3`` is that look-ahead: its direction is ``beta3 m_(t-1) + (1 - beta3) g_t``, corrected
+  by ``1 - beta3 beta1^(t-1)``, and ``beta3 = beta1^2`` makes both equal to DASH's (its
+  docstring's "a version of NAdam"). Its ``ClassicMomentumConfig(use_nesterov=True)`` is another
+  thing: SGD momentum on the preconditioned, grafted direction, a second momentum on top of the
+  ``betas[0]`` average, which DASH does not have.
 """
 
 from __future__ import annotations
@@ -46,6 +61,8 @@ from torch import Tensor
 MODULE = "distributed_shampoo"
 #: Meta's own recommendation (README) and default: an absolute damping.
 META_EPSILON = 1e-12
+#: Meta's default inverse root of a matrix's factors: ``L^(-1/4) G R^(-1/4)``.
+META_ROOT_ORDER = 4
 
 
 def available() -> bool:
@@ -64,6 +81,20 @@ def version() -> str:
         return "unknown"
 
 
+def exponent_override(root_order: int, precondition_vectors: bool = False) -> dict[int, float]:
+    """Meta's ``inverse_exponent_override``: 1/``root_order`` on each factor of a matrix (key: the
+    tensor's order), and 0 (no factor) on vectors unless ``precondition_vectors``."""
+    if root_order < 1:
+        raise ValueError(f"root_order must be a positive integer, got {root_order!r}")
+    return {2: 1.0 / root_order} | ({} if precondition_vectors else {1: 0.0})
+
+
+def beta3(beta1: float, nesterov: bool) -> float:
+    """Meta's ``beta3``: ``beta1**2`` is DASH's Nesterov direction, ``beta1`` (its -1 default) plain
+    momentum (see the module docstring)."""
+    return beta1 * beta1 if nesterov else beta1
+
+
 def start_preconditioning_step(frequency: int) -> int:
     """The first step that uses (and computes) the roots: the smallest Meta accepts, ``frequency``."""
     return frequency
@@ -80,11 +111,14 @@ def build_meta_shampoo(
     grafting_epsilon: float,
     epsilon: float = META_EPSILON,
     precondition_vectors: bool = False,
+    root_order: int = META_ROOT_ORDER,
+    nesterov: bool = False,
 ) -> torch.optim.Optimizer:
     """``DistributedShampoo`` on ``params`` with the settings above (eigh roots, Adam grafting).
 
     ``precondition_vectors=True`` keeps Meta's default of a Shampoo factor on every
-    one-dimensional parameter as well.
+    one-dimensional parameter as well. ``root_order`` and ``nesterov`` as DASH's options of the
+    same names (see the module docstring): the defaults are Meta's own choices.
     """
     from distributed_shampoo import (
         AdamPreconditionerConfig,
@@ -94,14 +128,15 @@ def build_meta_shampoo(
     )
 
     # The default amortized computation of RootInvShampooPreconditionerConfig is its
-    # eigendecomposition (DefaultEigenConfig); only the vectors' exponent is overridden.
+    # eigendecomposition (DefaultEigenConfig); only the exponents are overridden.
     preconditioner = RootInvShampooPreconditionerConfig(
-        inverse_exponent_override={} if precondition_vectors else {1: 0.0}
+        inverse_exponent_override=exponent_override(root_order, precondition_vectors)
     )
     return DistributedShampoo(
         params,
         lr=lr,
         betas=betas,
+        beta3=beta3(betas[0], nesterov),
         epsilon=epsilon,
         weight_decay=0.0,
         weight_decay_type=WeightDecayType.DECOUPLED,

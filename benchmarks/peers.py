@@ -22,6 +22,9 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
   output head, biases, LayerNorms), both inside one :class:`MuonWithAdamW` so the schedule scales
   both. The Muon lr is swept on its own grid; the AdamW part takes ``--muon-adamw-lr`` (default:
   AdamW's best lr at the same width, from the records).
+* ``muon-match-rms``: the same, with ``adjust_lr_fn="match_rms_adamw"`` (Muon's lr scaled by
+  0.2 sqrt(max(rows, cols)): its update RMS about AdamW's, meant to let AdamW's lr carry over), on AdamW's
+  lr grid; recorded as ``unavailable`` where the installed torch's Muon does not take it.
 * ``soap``: ``heavyball.SOAP`` with its defaults (``precondition_frequency=2``,
   ``shampoo_beta=0.95``, ``max_precond_dim=2048``); ``psgd-kron``: ``heavyball.PSGDKron`` with its
   defaults (annealed preconditioner-update probability, ``precond_lr=0.1``). heavyball compiles
@@ -31,7 +34,14 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
   ``_meta_shampoo.build_meta_shampoo`` builds it for the step-time benchmark (eigh roots, Adam
   grafting with beta2 0.95 and epsilon 1e-8, epsilon 1e-12, ``max_preconditioner_dim=256``,
   roots every 10 steps from step 10, no factors on vectors), with decoupled weight decay 0.01
-  set on its groups (it reads ``weight_decay`` at every step).
+  set on its groups (it reads ``weight_decay`` at every step): Meta's recipe (:data:`META_RECIPE`:
+  fourth roots, ``L^(-1/4) G R^(-1/4)``, every 10 steps, plain momentum).
+* ``meta-shampoo-dash-recipe``: the same with DASH's recipe (:data:`DASH_RECIPE`, DASH 0.4's
+  defaults, the ones behind the recorded DASH runs): square roots ``L^(-1/2) G R^(-1/2)``
+  (``inverse_exponent_override={2: 0.5}``), roots every 2 steps (from step 2, the earliest Meta
+  accepts; DASH starts at step 1) and DASH's Nesterov direction (``beta3 = beta1**2``; see
+  ``_meta_shampoo``), on a grid around DASH's best lr. Records state the recipe and the
+  ``beta3`` and exponents read back from the built optimizer.
 * DASH variants, each a name and its options (:data:`DASH_VARIANTS`): DASH's defaults (inverse
   square roots, Nesterov momentum, roots every 2 steps, Adam grafting) with ``block_size=256`` and
   ``inverse_root_method`` ``eigh`` or ``newton_db``; the ``-hidden`` variants add
@@ -47,8 +57,8 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
 Protocol, per width (``--widths``; the first is the main size, the others are "larger"): each
 contender runs every lr of its grid (``--lrs-<name>``; halvings and doublings: AdamW 3e-3 to
 2.4e-2 around the main job's AdamW lr, 6e-3, SOAP 3e-3 to 1.2e-2; Meta's Shampoo and PSGD-Kron
-6e-3 to 2.4e-2; DASH 1.2e-2 to 9.6e-2, around 8x AdamW's; Muon 0.01 to 0.04 around its
-documented 0.02) with
+6e-3 to 2.4e-2; DASH 1.2e-2 to 9.6e-2, around 8x AdamW's; Meta's Shampoo with DASH's recipe 2.4e-2 to
+9.6e-2, around DASH's best; Muon 0.01 to 0.04 around its documented 0.02, ``muon-match-rms`` AdamW's) with
 the first seed of ``--seeds``; its best lr is the one with the lowest final validation loss
 (averaged over the seeds run at every lr of the grid). When that is the grid's largest (smallest)
 lr, the grid is extended by one doubling (halving), ``--extend-edges`` times. The other seeds then
@@ -60,7 +70,8 @@ that width, for the lr-transfer summary).
 Per run: validation loss every ``--eval-every`` steps; wall time counts training steps only
 (data, forward, backward, optimizer step, schedule), not evaluations; the optimizer step
 (``optimizer.step()``) is timed on its own. Step times are taken per 10-step window (the mean
-over the window: every window holds whole refresh cycles of DASH (5) and of Meta's Shampoo (1), so
+over the window: every window holds whole refresh cycles of DASH (5) and of Meta's Shampoo (1, or 5
+with DASH's recipe), so
 refreshes are amortised): ``opt_step_ms`` and ``train_step_ms`` are the fastest window's (other processes on
 a shared machine only ever add time; the table takes the fastest over the seeds), ``*_robust_ms``
 the median window's (``convergence.robust_step_ms``), and the window means are recorded;
@@ -151,6 +162,27 @@ GRAFTED_LRS = (6e-3, 1.2e-2, 2.4e-2)
 #: DASH's: with its defaults (square roots, Nesterov, roots every 2 steps) its best lr was 8x AdamW's in the
 #: investigation (4.8e-2 at width 128), so its grid is AdamW's times 4.
 DASH_LRS = (1.2e-2, 2.4e-2, 4.8e-2, 9.6e-2)
+#: Meta's Shampoo with DASH's recipe: three points centred on DASH's best lr with that recipe (4.8e-2).
+META_DASH_RECIPE_LRS = (2.4e-2, 4.8e-2, 9.6e-2)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How an Adam-grafted Shampoo takes and refreshes its roots: the settings DASH's lead was
+    measured with, as data, so that another Shampoo can run them."""
+
+    #: p of the inverse p-th root of each Kronecker factor: ``L^(-1/p) G R^(-1/p)``.
+    root_order: int
+    #: roots recomputed every this many steps
+    precondition_frequency: int
+    #: DASH's Nesterov direction ``beta1 m_t + (1 - beta1) g_t`` instead of the momentum ``m_t``
+    nesterov: bool
+
+
+#: DASH 0.4's recipe (its defaults), the one behind the recorded DASH numbers.
+DASH_RECIPE = Recipe(root_order=2, precondition_frequency=2, nesterov=True)
+#: Meta's Shampoo as the step-time benchmark configures it (its default exponent, plain momentum).
+META_RECIPE = Recipe(root_order=_meta_shampoo.META_ROOT_ORDER, precondition_frequency=META_FREQUENCY, nesterov=False)
 
 
 # ---------------------------------------------------------------------- contenders
@@ -177,9 +209,13 @@ DASH_VARIANTS: dict[str, dict[str, Any]] = {
 CONTENDERS: dict[str, Contender] = {
     "adamw": Contender("adamw", "adamw", ADAMW_LRS),
     "muon": Contender("muon", "muon", (0.01, 0.02, 0.04)),
+    "muon-match-rms": Contender("muon-match-rms", "muon", ADAMW_LRS, {"adjust_lr_fn": "match_rms_adamw"}),
     "soap": Contender("soap", "soap", SOAP_LRS, requires="heavyball"),
     "psgd-kron": Contender("psgd-kron", "psgd", GRAFTED_LRS, requires="heavyball"),
-    "meta-shampoo": Contender("meta-shampoo", "meta", GRAFTED_LRS, requires=_meta_shampoo.MODULE),
+    "meta-shampoo": Contender("meta-shampoo", "meta", GRAFTED_LRS, asdict(META_RECIPE), _meta_shampoo.MODULE),
+    "meta-shampoo-dash-recipe": Contender(
+        "meta-shampoo-dash-recipe", "meta", META_DASH_RECIPE_LRS, asdict(DASH_RECIPE), _meta_shampoo.MODULE
+    ),
     **{name: Contender(name, "dash", DASH_LRS, options) for name, options in DASH_VARIANTS.items()},
     "dash-from-adamw": Contender("dash-from-adamw", "converted", ADAMW_LRS),
 }
@@ -233,7 +269,7 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     if family == "muon":
         hidden, rest = muon_split(model)
-        muon = torch.optim.Muon(hidden, lr=lr, weight_decay=WEIGHT_DECAY)
+        muon = build_muon(hidden, lr, contender.options)
         adamw = torch.optim.AdamW(rest, lr=muon_adamw_lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         return MuonWithAdamW(muon, adamw)
     if family in ("soap", "psgd"):
@@ -247,14 +283,17 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
         kind = heavyball.SOAP if family == "soap" else heavyball.PSGDKron
         return kind(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     if family == "meta":
+        recipe = Recipe(**contender.options)
         optimizer = _meta_shampoo.build_meta_shampoo(
             model.parameters(),
             lr=lr,
             betas=BETAS,
             block_size=DASH_BLOCK_SIZE,
-            precondition_frequency=META_FREQUENCY,
+            precondition_frequency=recipe.precondition_frequency,
             grafting_beta2=BETAS[1],
             grafting_epsilon=1e-8,
+            root_order=recipe.root_order,
+            nesterov=recipe.nesterov,
         )
         for group in optimizer.param_groups:  # the builder's 0 is the step-time benchmark's choice
             group["weight_decay"] = WEIGHT_DECAY
@@ -279,6 +318,19 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
     raise ValueError(f"unknown family {family!r}")
 
 
+def build_muon(params: list[Tensor], lr: float, options: dict[str, Any]) -> torch.optim.Optimizer:
+    """``torch.optim.Muon`` with the contender's options; :class:`Unavailable` when this torch's Muon
+    does not take one of them (an unknown keyword, or a value it rejects, as ``adjust_lr_fn``)."""
+    if not hasattr(torch.optim, "Muon"):
+        raise Unavailable(f"torch {torch.__version__} has no torch.optim.Muon")
+    try:
+        return torch.optim.Muon(params, lr=lr, weight_decay=WEIGHT_DECAY, **options)
+    except (TypeError, ValueError) as error:
+        if any(str(name) in str(error) or str(value) in str(error) for name, value in options.items()):
+            raise Unavailable(f"torch {torch.__version__}'s Muon does not take {options}: {error}") from error
+        raise
+
+
 #: DASH options a record states as the optimizer resolved them (its defaults may change between versions).
 DASH_RECORDED = ("block_size", "root_order", "nesterov", "lr_scale", "inverse_root_method")
 
@@ -291,7 +343,15 @@ def optimizer_options(
     if contender.family == "muon":
         options["adamw_lr"] = muon_adamw_lr
     if contender.family == "meta":
-        options.update(block_size=DASH_BLOCK_SIZE, precondition_frequency=META_FREQUENCY)
+        # As the optimizer resolved them: the exponent on each factor of a matrix and beta3.
+        group = optimizer.param_groups[0]
+        override = group["preconditioner_config"].inverse_exponent_override
+        options.update(
+            block_size=DASH_BLOCK_SIZE,
+            beta3=group["beta3"],
+            inverse_exponent_override={str(order): value for order, value in sorted(override.items())},
+            start_preconditioning_step=group["start_preconditioning_step"],
+        )
     if isinstance(optimizer, DASH):
         options.update({name: getattr(optimizer, name) for name in DASH_RECORDED})
         options["precondition_frequency"] = optimizer.param_groups[0]["precondition_frequency"]
@@ -800,6 +860,8 @@ def plot(records: list[dict], rows: list[dict], path: Path, title: str, target: 
         wall = [statistics.mean(c[i].wall_s for c in curves) for i in range(1, length)]
         loss = [statistics.mean(c[i].val_loss for c in curves) for i in range(1, length)]
         style = "-" if row["optimizer"].startswith("dash") else "--"
+        if index >= len(colors):  # a colour's second use: another line style
+            style = "-." if style == "-" else ":"
         label = f"{row['optimizer']} (lr {row['best_lr']:g}, {len(curves)} seed{'s' if len(curves) > 1 else ''})"
         color = colors[index % len(colors)]
         by_step.plot(steps, loss, style, color=color, label=label)

@@ -197,3 +197,88 @@ def check_trains(tmp_path: Path, name: str, lr: float, steps: int = 6) -> None:
     (record,) = read(tmp_path / "peers_cpu.json")["records"]
     assert record["status"] == "ok" and record["state_bytes"] > 0
     assert record["final_val_loss"] < record["initial_val_loss"]
+
+
+@pytest.mark.parametrize("name", ["meta-shampoo-dash-recipe", "muon-match-rms"])
+def test_new_contenders_train_and_record_their_recipe(tmp_path, name):
+    contender = peers.CONTENDERS[name]
+    if contender.requires is not None:
+        pytest.importorskip(contender.requires, reason=f"{contender.requires} is not installed")
+    check_trains(tmp_path, name, 1e-2)  # Meta's roots with DASH's recipe start at step 2
+    (record,) = read(tmp_path / "peers_cpu.json")["records"]
+    if name == "muon-match-rms":
+        assert record["options"]["adjust_lr_fn"] == "match_rms_adamw"
+        assert contender.lrs == peers.ADAMW_LRS
+        # A Muon that does not take the option makes the contender unavailable, not a crash.
+        with pytest.raises(peers.Unavailable):
+            peers.build_muon([torch.zeros(4, 4, requires_grad=True)], 1e-2, {"adjust_lr_fn": "no_such_rule"})
+        return
+    options = record["options"]
+    assert {key: options[key] for key in ("root_order", "precondition_frequency", "nesterov")} == {
+        "root_order": 2,
+        "precondition_frequency": 2,
+        "nesterov": True,
+    }
+    # Read back from the built optimizer: -1/2 on each factor of a matrix, no factor on vectors, and
+    # beta3 = beta1**2 (DASH's Nesterov direction), roots from step 2.
+    assert options["inverse_exponent_override"] == {"1": 0.0, "2": 0.5}
+    assert options["beta3"] == pytest.approx(peers.BETAS[0] ** 2)
+    assert options["start_preconditioning_step"] == 2
+
+
+def test_meta_shampoo_with_dash_recipe_is_dash_on_matrices():
+    """Meta's Shampoo given DASH's recipe (square roots, Nesterov, roots every 2 steps) moves every
+    matrix as DASH with those options does (same absolute damping, and DASH's roots from step 2, the
+    first Meta takes); with Meta's exponent or momentum it does not, so the recipe really is applied."""
+    pytest.importorskip("distributed_shampoo", reason="Meta's Distributed Shampoo is not installed")
+    import _meta_shampoo
+
+    from lightning_dash import DASH
+
+    recipe = peers.DASH_RECIPE
+    assert (recipe.root_order, recipe.precondition_frequency, recipe.nesterov) == (2, 2, True)
+    torch.manual_seed(0)
+    # One block each (block 32), factors of full rank from the first refresh (step 2) on.
+    shapes = [(24, 16), (30, 20), (16,)]
+    initial = [torch.randn(shape) for shape in shapes]
+    gradients = [[torch.randn(shape) for shape in shapes] for _ in range(6)]
+    shared = {"lr": 0.01, "betas": peers.BETAS, "block_size": 32}
+    shared |= {"grafting_beta2": peers.BETAS[1], "grafting_epsilon": 1e-8, "epsilon": 1e-6}
+    frequency = recipe.precondition_frequency
+    ours = [p.clone().requires_grad_() for p in initial]
+    dash = DASH(
+        ours,
+        **shared,
+        inverse_root_method="eigh",
+        relative_epsilon=False,
+        root_order=recipe.root_order,
+        nesterov=recipe.nesterov,
+        precondition_frequency=frequency,
+        start_preconditioning_step=_meta_shampoo.start_preconditioning_step(frequency),
+    )
+    runs = {
+        "recipe": (recipe.root_order, recipe.nesterov),
+        "fourth roots": (4, recipe.nesterov),
+        "no Nesterov": (recipe.root_order, False),
+    }
+    moved = {}
+    metas = {}
+    for label, (root_order, nesterov) in runs.items():
+        params = [p.clone().requires_grad_() for p in initial]
+        metas[label] = (
+            params,
+            _meta_shampoo.build_meta_shampoo(
+                params, **shared, precondition_frequency=frequency, root_order=root_order, nesterov=nesterov
+            ),
+        )
+    for step_grads in gradients:
+        for params, optimizer in [(ours, dash), *metas.values()]:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+    for label, (params, _) in metas.items():
+        moved[label] = max(
+            ((a - b).abs().max() / (a - start).abs().max()).item() for start, a, b in zip(initial[:2], ours, params)
+        )
+    assert moved["recipe"] <= 1e-4, moved
+    assert moved["fourth roots"] > 3e-2 and moved["no Nesterov"] > 3e-2, moved

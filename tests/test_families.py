@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_dash import DashConfig
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytest.importorskip("sklearn")
@@ -49,4 +51,8 @@ def test_tiny_suite_trains_every_contender_and_summarises_against_tuned_adamw(tm
         assert dash["dash_config"] == {}  # DASH's own defaults: nothing changed
     version_04 = next(r for r in records if r["contender"] == "dash-v0.4")
     assert version_04["dash_config"]["lr_scale"] == "8.0"
+    assert version_04["dash_group"]["epsilon"] == 1e-6 and version_04["dash_group"]["precondition_frequency"] == 2
+    defaults = next(r for r in records if r["contender"] == "dash")["dash_group"]
+    assert defaults["epsilon"] == DashConfig().epsilon
+    assert defaults["precondition_frequency"] == DashConfig().precondition_frequency
     assert json.loads(out.read_text())["adamw_grids"]["mlp"] == sorted(models.FAMILIES["mlp"].adamw_lrs)

@@ -331,41 +331,49 @@ def timing_rows(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    header = [
-        "family",
-        "contender",
-        "lr",
-        "final val",
-        "x AdamW",
-        "diverged",
-        "step ms",
-        "x AdamW step",
-        "steps to AdamW",
-        "s to AdamW (AdamW s)",
+    """The quality table: final loss against AdamW's, divergences, steps to AdamW's final loss per seed.
+    (Times are in :func:`timing_table`: the suite's own runs share the machine.)"""
+    header = ["family", "contender", "lr", "final val", "x AdamW", "diverged", "steps to AdamW (per seed)"]
+    body = [
+        [
+            row["family"],
+            row["contender"],
+            f"{row['lr']:.0e}",
+            f"{row['final_val']:.4f}",
+            f"{row['ratio_to_adamw']:.3f}",
+            str(row["diverged"]),
+            "/".join("-" if v is None else str(v) for v in row["steps_to_adamw"]),
+        ]
+        for row in rows
     ]
-    body = []
-    for row in rows:
-        to_text = lambda values: "/".join("-" if v is None else str(v) for v in values)  # noqa: E731
-        body.append(
-            [
-                row["family"],
-                row["contender"],
-                f"{row['lr']:.0e}",
-                f"{row['final_val']:.4f}",
-                f"{row['ratio_to_adamw']:.3f}",
-                str(row["diverged"]),
-                f"{row['step_ms']:.1f}",
-                f"{row['step_ratio']:.2f}",
-                to_text(row["steps_to_adamw"]),
-                f"{to_text(row['seconds_to_adamw'])} ({to_text(row['adamw_seconds'])})",
-            ]
-        )
     return header, body
 
 
+def timing_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The timing rounds' table (see :func:`timing_rows`)."""
+    header = ["family", "contender", "step ms", "x AdamW step", "training s", "s to AdamW's final loss"]
+    body = [
+        [
+            row["family"],
+            row["contender"],
+            f"{row['step_ms']:.1f}",
+            f"{row['step_ratio']:.2f}",
+            f"{row['train_s']:.1f}",
+            "-" if row["seconds_to_adamw"] is None else f"{row['seconds_to_adamw']:.1f}",
+        ]
+        for row in rows
+    ]
+    return header, body
+
+
+#: Contenders the plot shows (the others stay in the JSON): AdamW, the defaults and version 0.4's.
+PLOTTED = ("adamw", "dash", "dash-v0.4", "v0.4-code")
+
+
 def plot(records: list[dict], rows: list[dict], path: Path) -> Path | None:
-    """Validation loss against training seconds, one panel per family, every contender of ``rows``
-    at AdamW's best lr on the first seed (None when matplotlib is not installed)."""
+    """Validation loss against steps, one panel per family, the :data:`PLOTTED` contenders of ``rows``
+    at AdamW's best lr on the first seed (None when matplotlib is not installed). Steps, not seconds:
+    the suite's runs share the machine; the timing rounds measure time."""
     try:
         import matplotlib
 
@@ -379,13 +387,13 @@ def plot(records: list[dict], rows: list[dict], path: Path) -> Path | None:
         math.ceil(len(families) / columns), columns, figsize=(4 * columns, 3.2 * math.ceil(len(families) / columns))
     )
     for axis, family in zip(getattr(axes, "flat", [axes]), families):
-        for row in (r for r in rows if r["family"] == family):
+        for row in (r for r in rows if r["family"] == family and r["contender"] in PLOTTED):
             runs = [r for r in runs_of(records, family, row["contender"], row["lr"]) if r["seed"] == row["seeds"][0]]
             if runs:
-                curve = [(seconds, value) for _, seconds, value in runs[0]["curve"] if math.isfinite(value)]
+                curve = [(step, value) for step, _, value in runs[0]["curve"] if math.isfinite(value)]
                 axis.plot(*zip(*curve), marker=".", label=row["contender"])
         axis.set_title(family)
-        axis.set_xlabel("training seconds")
+        axis.set_xlabel("step")
         axis.set_ylabel("validation loss")
         axis.set_yscale("log")
         axis.legend(fontsize=7)
@@ -461,10 +469,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         timed = {name: variants[name] for name in contenders if name in variants}
         run_timing({f: steps[f] for f in best}, timed, args.seeds[0], args.timing, timing_path, best)
     timing = timing_rows(load_records(timing_path)) if timing_path.exists() else []
-    for row in timing:
-        to = "-" if row["seconds_to_adamw"] is None else f"{row['seconds_to_adamw']:.1f}"
-        step = f"{row['step_ms']:.1f} ms/step ({row['step_ratio']:.2f}x)"
-        print(f"{row['family']:>10} {row['contender']:>12}: {step}, to AdamW's loss {to} s of {row['train_s']:.1f}")
+    if timing:
+        print(format_columns(*timing_table(timing)))
     summary = {
         "environment": environment(),
         "families": {f: FAMILIES[f].description for f in args.families},
@@ -473,6 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "timing": timing,
         "markdown": markdown_table(header, body),
+        "timing_markdown": markdown_table(*timing_table(timing)) if timing else None,
     }
     write_json(args.out, summary)
     plot(records, rows, args.out.with_suffix(".png"))

@@ -12,7 +12,7 @@ CPY := $(COMPOSER_VENV)/bin/python
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step bench-peers clean
+.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step bench-peers bench-families clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 # recorded as unavailable). On a shared machine: flock /tmp/cpu_heavy.lock make bench-peers
 bench-peers: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) benchmarks/peers.py
+
+# The model-family suite (benchmarks/families.py): eight unchanged LightningModules with their AdamW recipes,
+# AdamW's lr tuned per family, then strategy="dash" at it, 2 seeds; about 40 minutes on 2 idle CPU cores.
+bench-families: $(VENV)/.installed
+	$(PY) benchmarks/families.py --timing 1
 
 clean:
 	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache site

@@ -20,7 +20,7 @@ from lightning_dash.optim import DASH, DashConfig, RootComputationError
 from lightning_dash.strategies import register_strategies
 
 __all__ = ["DASH", "DashConfig", "DeMo", "RootComputationError"]
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 register_strategies()  # imports no Lightning namespace that is not installed
 if find_spec("lightning") is not None:

@@ -41,11 +41,11 @@ class ReferenceDash:
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
-    epsilon: float = 1e-6
+    epsilon: float = 1e-3
     relative_epsilon: bool = True
     weight_decay: float = 0.0
     block_size: int = 1024
-    precondition_frequency: int = 2
+    precondition_frequency: int = 10
     start_preconditioning_step: int = 1
     grafting: str = "adam"
     grafting_beta2: float = 0.95
@@ -80,7 +80,7 @@ class ReferenceDash:
         st = self.state.setdefault(index, {"t": 0, "m": torch.zeros_like(param), "v": torch.zeros_like(param)})
         st["t"] += 1
         _, direction = self._adam_direction(st, grad.double(), st["t"])
-        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * self.lr_scale * direction)
+        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * direction)
 
     def _damping(self, factor: Tensor) -> float:
         """``epsilon``, times the factor's Frobenius norm when it is relative."""
@@ -140,7 +140,7 @@ class ReferenceDash:
                 shampoo = st["Lr"] @ m_hat @ st["Rr"]
                 if self.grafting == "adam":
                     shampoo = shampoo * (adam.norm() / shampoo.norm())
-                direction = shampoo
+                direction = self.lr_scale * shampoo
             else:
                 direction = adam
-            weight[rs, cs] -= self.lr * self.lr_scale * direction
+            weight[rs, cs] -= self.lr * direction

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lightning_dash import DASH
-from lightning_dash.optim.conversion import ADAM_LR_SCALE
 
 
 def model() -> torch.nn.Module:
@@ -56,35 +55,76 @@ def test_first_step_from_adamw_with_blend_zero_is_adamws_step():
         torch.testing.assert_close(p, q)
 
 
-def test_from_adamw_scales_the_update_by_the_measured_lr_ratio_but_not_the_weight_decay():
-    """AdamW's recipe carries over with ``lr_scale=ADAM_LR_SCALE``: W (1 - lr wd) - 8 lr d, which is
-    AdamW's own step at lr 8 lr and weight decay wd / 8 (the same decay factor)."""
-    assert ADAM_LR_SCALE == 8.0
-    reference, converted = model(), model()
+def test_from_adamw_steps_like_plain_dash_at_the_same_lr():
+    """One lr meaning: DASH converted from AdamW takes the same steps as DASH built directly with the
+    AdamW's lr and its mapped hyperparameters (grafting gives each block AdamW's step size; no scale)."""
+    converted, direct = model(), model()
     lr, decay = 0.01, 0.1
-    adamw = torch.optim.AdamW(
-        reference.parameters(), lr=ADAM_LR_SCALE * lr, betas=(0.9, 0.999), weight_decay=decay / ADAM_LR_SCALE
+    source = torch.optim.AdamW(converted.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-7, weight_decay=decay)
+    from_adamw = DASH.from_optimizer(source)
+    plain = DASH(
+        direct.parameters(), lr=lr, betas=(0.9, 0.95), grafting_beta2=0.999, grafting_epsilon=1e-7, weight_decay=decay
     )
-    source = torch.optim.AdamW(converted.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=decay)
-    dash = DASH.from_optimizer(source, shampoo_blend=0.0, nesterov=False)
-    assert dash.lr_scale == ADAM_LR_SCALE and dash.param_groups[0]["lr"] == lr  # schedulers still see AdamW's lr
-    for _ in range(3):
-        for p, q in zip(reference.parameters(), converted.parameters()):
+    assert from_adamw.lr_scale == plain.lr_scale == 1.0 and from_adamw.param_groups[0]["lr"] == lr
+    torch.manual_seed(1)
+    for _ in range(4):
+        for p, q in zip(converted.parameters(), direct.parameters()):
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
-        adamw.step()
+        from_adamw.step()
+        plain.step()
+    for p, q in zip(converted.parameters(), direct.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_lr_scale_multiplies_the_shampoo_direction_of_matrices_only():
+    """``lr_scale=k`` moves every preconditioned block exactly k times as far and leaves 1-D
+    parameters (which follow the grafting optimizer) exactly as at ``lr_scale=1``."""
+    moves = {}
+    for scale in (1.0, 3.0):
+        net = model()
+        dash = DASH.from_optimizer(torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.0), lr_scale=scale)
+        before = [p.detach().clone() for p in net.parameters()]
+        torch.manual_seed(2)
+        for p in net.parameters():
+            p.grad = torch.randn_like(p)
         dash.step()
-    for p, q in zip(reference.parameters(), converted.parameters()):
-        torch.testing.assert_close(p, q)
+        moves[scale] = [(p.detach() - b) for p, b in zip(net.parameters(), before)]
+    for (name, param), one, three in zip(model().named_parameters(), moves[1.0], moves[3.0]):
+        expected = 3.0 * one if param.dim() == 2 else one
+        # atol: the moves are differences of float32 parameters of size ~0.5 (an ulp is 6e-8)
+        torch.testing.assert_close(three, expected, rtol=1e-5, atol=2e-7, msg=name)
+        assert one.abs().max() > 0
 
 
-def test_lr_scale_of_a_conversion_is_overridable_and_only_adam_sources_take_it():
+def test_lr_scale_of_a_conversion_is_overridable_and_no_source_scales_the_lr():
     net = model()
-    assert DASH.from_optimizer(torch.optim.AdamW(net.parameters()), lr_scale=1.0).lr_scale == 1.0
-    assert DASH.from_optimizer(torch.optim.Adam(net.parameters())).lr_scale == ADAM_LR_SCALE
-    assert DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)).lr_scale == 1.0
+    assert DASH.from_optimizer(torch.optim.AdamW(net.parameters()), lr_scale=8.0).lr_scale == 8.0
+    for source in (
+        torch.optim.Adam(net.parameters()),
+        torch.optim.AdamW(net.parameters()),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.RMSprop(net.parameters()),
+    ):
+        assert DASH.from_optimizer(source).lr_scale == 1.0
     assert not DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)).nesterov
     assert DASH.from_optimizer(torch.optim.AdamW(net.parameters())).nesterov  # DASH's default
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_an_lr_scale_that_cannot_work_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="lr_scale"):
+        DASH(model().parameters(), lr_scale=value)
+    with pytest.raises(ValueError, match="lr_scale"):
+        DASH.from_optimizer(torch.optim.AdamW(model().parameters()), lr_scale=value)
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, "auto", True, None])
+def test_a_refresh_period_that_cannot_work_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        DASH(model().parameters(), precondition_frequency=value)
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        DASH([{"params": model().parameters(), "precondition_frequency": value}])
 
 
 def test_sgd_with_momentum_and_nesterov():

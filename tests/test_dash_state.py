@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -182,3 +183,36 @@ def test_load_onto_another_device():
     train(model, opt, 1, start=3)
     for a, b in zip(model.parameters(), gpu_model.parameters()):
         torch.testing.assert_close(a, b.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_records_its_step_shaping_options_and_a_resume_with_others_says_which():
+    model = make_model()
+    opt = DASH(model.parameters(), **OPTIONS, root_order=4, nesterov=False, lr_scale=2.0)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    assert {k: saved["dash"][k] for k in ("root_order", "nesterov", "lr_scale")} == {
+        "root_order": 4,
+        "nesterov": False,
+        "lr_scale": 2.0,
+    }
+    same = DASH(model.parameters(), **OPTIONS, root_order=4, nesterov=False, lr_scale=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved)
+    other = DASH(model.parameters(), **OPTIONS, root_order=2, nesterov=False, lr_scale=1.0)
+    with pytest.warns(UserWarning, match=r"trained with root_order=4, lr_scale=2\.0; .* root_order=2, lr_scale=1\.0"):
+        other.load_state_dict(saved)
+    assert other.root_order == 2 and other.lr_scale == 1.0  # this optimizer's options stay
+
+
+def test_a_version_04_checkpoint_names_the_options_that_keep_its_training():
+    """0.4 wrote no root_order, nesterov or lr_scale (its conversions used lr_scale 8): a resume says so."""
+    model = make_model()
+    opt = DASH(model.parameters(), **OPTIONS)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    for name in ("root_order", "nesterov", "lr_scale"):
+        del saved["dash"][name]
+    fresh = DASH(model.parameters(), **OPTIONS)
+    with pytest.warns(UserWarning, match=r"0\.4 or older.*lr_scale=8\.0 if converted from Adam/AdamW"):
+        fresh.load_state_dict(saved)

@@ -94,6 +94,16 @@ def test_hidden_sends_embeddings_and_the_output_layer_to_grafting():
     assert grafted == {"embed.weight", "head.weight"} | one_dimensional
 
 
+def test_the_default_routing_is_hidden_where_the_model_is_known_and_all_matrices_elsewhere():
+    model = ToyMoE()
+    assert DashConfig().precondition == "auto"
+    with_model = DASH(model.parameters(), model=model, **OPTIONS).preconditioning()
+    assert with_model == DASH(model.parameters(), precondition="hidden", model=model, **OPTIONS).preconditioning()
+    alone = DASH(model.named_parameters(), **OPTIONS).preconditioning()
+    assert alone == DASH(model.named_parameters(), precondition="all_matrices", **OPTIONS).preconditioning()
+    assert with_model["embed.weight"] is None and alone["embed.weight"] == MatrixView(11, 6)
+
+
 def test_names_and_callables_choose_exactly_the_named_matrices():
     model = ToyMoE()
     chosen = DASH(model.named_parameters(), precondition={"qkv.weight", "w_in"}, **OPTIONS).preconditioning()

@@ -30,6 +30,37 @@ from lightning_dash.optim.state import (
 COUNTERS = ("root_failure_count", "nonfinite_grad_skips", "nonfinite_update_skips")
 #: Options the saved statistics depend on, also carried under ``"dash"`` and checked at load.
 LAYOUT_OPTIONS = ("block_size", "inverse_root_method")
+#: Optimizer-wide options that shape the step, carried under ``"dash"`` (since version 0.5): a resumed
+#: run whose optimizer has other values is told which, and what to pass to keep the checkpoint's.
+NUMERICS_OPTIONS = ("root_order", "nesterov", "lr_scale")
+#: What version 0.4 used for them (``lr_scale`` 8 for optimizers converted from Adam or AdamW).
+VERSION_04_NUMERICS = {"root_order": 2, "nesterov": True, "lr_scale": "8.0 if converted from Adam/AdamW, else 1.0"}
+
+
+def warn_on_changed_numerics(extra: dict[str, Any], current: dict[str, Any]) -> None:
+    """Say which step-shaping options differ from the checkpoint's (or that a checkpoint from
+    version 0.4 or older records none of them), naming the values that reproduce its training."""
+    if not extra:  # torch.distributed.checkpoint keeps no "dash" entry: nothing to compare with
+        return
+    saved = {name: extra[name] for name in NUMERICS_OPTIONS if name in extra}
+    if not saved:
+        keep = ", ".join(f"{name}={value}" for name, value in VERSION_04_NUMERICS.items())
+        warnings.warn(
+            "DASH.load_state_dict: this checkpoint was written by lightning-dash 0.4 or older and does not "
+            f"record {list(NUMERICS_OPTIONS)}; this optimizer continues with "
+            f"{', '.join(f'{k}={v!r}' for k, v in current.items())}. To continue as version 0.4 trained, pass "
+            f"{keep} (per-group options such as precondition_frequency and epsilon come from the checkpoint)",
+            stacklevel=3,
+        )
+        return
+    changed = {name: value for name, value in saved.items() if current[name] != value}
+    if changed:
+        warnings.warn(
+            "DASH.load_state_dict: the checkpoint was trained with "
+            f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; this optimizer continues with "
+            f"{', '.join(f'{k}={current[k]!r}' for k in changed)} (pass the checkpoint's values to keep them)",
+            stacklevel=3,
+        )
 
 
 def with_state(packed: dict[str, Any], entries: dict[int, dict[str, Tensor]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +254,8 @@ class DashStateDict(torch.optim.Optimizer):
         extra = {name: getattr(self, name) for name in COUNTERS}
         layout = {name: getattr(self, name) for name in LAYOUT_OPTIONS}
         layout["inverse_root_method"] = self.inverse_root_method_in_use  # what "auto" chose
-        return {**extra, "grafting": self.grafting, **layout}
+        numerics = {name: getattr(self, name) for name in NUMERICS_OPTIONS}
+        return {**extra, "grafting": self.grafting, **layout, **numerics}
 
     def _named(self, packed: dict[str, Any]) -> dict[str, Any]:
         """``packed`` with parameters named instead of numbered (state keys and groups)."""
@@ -350,6 +382,7 @@ class DashStateDict(torch.optim.Optimizer):
         # "dash" entry the counters and grafting type stay as they are.
         for name in COUNTERS:
             setattr(self, name, int(extra.get(name, getattr(self, name))))
+        warn_on_changed_numerics(extra, {name: getattr(self, name) for name in NUMERICS_OPTIONS})
         saved_grafting = extra.get("grafting", self.grafting)
         if saved_grafting != self.grafting:
             warnings.warn(

@@ -15,7 +15,8 @@ from typing import Any
 
 from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
-from lightning_dash.optim.routing import ALL_MATRICES, PreconditionRule, check_precondition, check_split_rows
+from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
+from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
 from lightning_dash.optim.validation import (
     check_betas,
     check_bool,
@@ -31,9 +32,11 @@ MATRIX_SCALINGS = ("frobenius", "power_iteration")
 #: ``inverse_root_method`` value that picks the solver per device and block size.
 AUTO = "auto"
 
-#: Relative damping of the factors (see ``epsilon``), chosen by measurement
-#: (``benchmarks/damping.py``; docs/benchmarks.md, Damping).
-DEFAULT_EPSILON = 1e-6
+#: Relative damping of the factors (see ``epsilon``): with inverse square roots, the smallest that keeps a
+#: 1e-7 relative gradient perturbation (another summation order) below 1e-4 of the parameters' movement
+#: after 12 steps (``benchmarks/roundoff.py``: at most 2.4e-5 at 1e-3, 2.2e-4 at 1e-4), at no cost on the model
+#: families (``benchmarks/families.py``; docs/benchmarks.md).
+DEFAULT_EPSILON = 1e-3
 #: The inverse-root orders :attr:`DashConfig.root_order` takes.
 ROOT_ORDERS = (2, 4)
 
@@ -48,6 +51,20 @@ def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
 
 def _positive(name: str, value: Any) -> float:
     return check_number(name, value, low=0.0, low_open=True)
+
+
+def _positive_finite(name: str, value: Any) -> float:
+    value = _positive(name, value)
+    if value == float("inf"):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _period(name: str, value: Any) -> int:
+    # ValueError for every value that cannot be a period (a bool, a float, a string such as "auto", 0).
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (steps between root refreshes), got {value!r}")
+    return value
 
 
 def _non_negative(name: str, value: Any) -> float:
@@ -127,17 +144,19 @@ class DashConfig:
     weight_decay: float = _option(0.0, "decoupled weight decay, W <- W (1 - lr wd)", _non_negative, per_group=True)
     lr_scale: float = _option(
         1.0,
-        "multiplies every group's lr in the update, not in the weight decay (from_optimizer sets it for Adam-family "
-        "sources, so a tuned AdamW lr and its schedule carry over: see lightning_dash.optim.conversion)",
-        _positive,
+        "multiplies the lr of the grafted Shampoo direction of preconditioned blocks only (not of 1-D or "
+        "Adam-routed parameters, not the weight decay); 1: grafting already gives each block the grafting "
+        "optimizer's step size, so that optimizer's tuned lr carries over (version 0.4 used 8 for Adam sources)",
+        _positive_finite,
     )
     block_size: int = _option(1024, "largest tile side; remainders form smaller tiles", _at_least(1))
     precondition: PreconditionRule = _option(
-        ALL_MATRICES,
+        AUTO_ROUTING,
         "which parameters get Kronecker factors (the rest, and every 1-D parameter, follow the grafting optimizer "
-        "alone): all_matrices; hidden (not the embeddings, the output layer or weights tied to them, as in "
-        "Muon's recipe; needs the model: the strategies pass it, in plain PyTorch pass model=); a set of "
-        "parameter names; or a callable (name, param) -> bool",
+        "alone): auto (hidden when DASH knows the model, else all_matrices); all_matrices; hidden (not the "
+        "embeddings, the output layer or weights tied to them, as in Muon's recipe; needs the model: the "
+        "strategies, Fabric and Composer pass it, in plain PyTorch pass model=); a set of parameter names; or a "
+        "callable (name, param) -> bool",
         check_precondition,
     )
     split_rows: tuple[tuple[str, int], ...] = _option(
@@ -148,7 +167,7 @@ class DashConfig:
         check_split_rows,
     )
     precondition_frequency: int = _option(
-        2, "recompute the inverse roots every this many steps", _at_least(1), per_group=True
+        10, "recompute the inverse roots every this many steps", _period, per_group=True
     )
     start_preconditioning_step: int = _option(
         1,

@@ -18,10 +18,6 @@ from lightning_dash.optim.validation import check_bool, check_number
 
 #: Decay of the Kronecker factors when the source optimizer has none (DASH's default).
 DEFAULT_FACTOR_DECAY = 0.95
-#: ``lr_scale`` of DASH converted from Adam or AdamW: DASH's best lr over AdamW's, measured on the
-#: main job's GPT at two widths (0.048 / 0.006 at width 128, 0.024 / 0.003 at width 256; docs/benchmarks.md,
-#: "Learning-rate transfer"). With it, AdamW's tuned lr and its schedule drive DASH unchanged.
-ADAM_LR_SCALE = 8.0
 
 
 def _adam_like(group: dict[str, Any], decoupled: bool, factor_decay: float) -> dict[str, Any]:
@@ -69,10 +65,13 @@ def dash_group_settings(
     optimizer: torch.optim.Optimizer, factor_decay: float = DEFAULT_FACTOR_DECAY, allow_custom_step: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-group DASH settings equivalent to ``optimizer``'s, and optimizer-wide options
-    (``grafting``; ``lr_scale`` for Adam-family sources, ``nesterov`` for SGD).
+    (``grafting``; ``nesterov`` for SGD).
 
+    The lr is kept as it is: grafting gives every preconditioned block the step size of the
+    source optimizer's own update, so its tuned lr and schedule carry over (measured on the
+    model-family suite, ``benchmarks/families.py``).
     Adam/AdamW (and Composer's ``DecoupledAdamW``) graft Adam with their second-moment
-    decay and epsilon, and take ``lr_scale=ADAM_LR_SCALE``; SGD (and ``DecoupledSGDW``) grafts SGD with its momentum;
+    decay and epsilon; SGD (and ``DecoupledSGDW``) grafts SGD with its momentum;
     Adagrad and RMSprop graft themselves. Adam's L2 ``weight_decay`` becomes decoupled
     weight decay. Unsupported classes or options raise ``TypeError``/``ValueError``, and
     so does a subclass with its own ``step`` unless ``allow_custom_step``.
@@ -117,8 +116,6 @@ def dash_group_settings(
                 "and Composer's DecoupledAdamW/DecoupledSGDW"
             )
         settings.append(values)
-    if grafting == "adam":
-        return settings, {"grafting": grafting, "lr_scale": ADAM_LR_SCALE}
     if grafting == "sgd":
         nesterov = any(bool(group.get("nesterov", False)) for group in optimizer.param_groups)
         return settings, {"grafting": grafting, "nesterov": nesterov}

@@ -34,7 +34,9 @@ from lightning_dash.optim.blocks import MatrixView
 
 ALL_MATRICES = "all_matrices"
 HIDDEN = "hidden"
-PRECONDITION_RULES = (ALL_MATRICES, HIDDEN)
+#: ``hidden`` when DASH knows the model, else ``all_matrices`` (the default).
+AUTO = "auto"
+PRECONDITION_RULES = (AUTO, ALL_MATRICES, HIDDEN)
 
 EMBEDDING = "embedding"
 OUTPUT = "output"
@@ -132,6 +134,8 @@ def matrix_views(
     when the rule needs names or roles that are unknown, or names a parameter (or a
     ``split_rows`` key) that is not there.
     """
+    if precondition == AUTO:
+        precondition = HIDDEN if model is not None else ALL_MATRICES
     if precondition == HIDDEN and model is None:
         raise ValueError(
             "precondition='hidden' needs to know the model's embeddings and output layer: pass model=... to "

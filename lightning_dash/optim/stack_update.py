@@ -34,7 +34,7 @@ class UpdateRules:
     nesterov: bool
     bias_correction: bool
     compiled: bool = False
-    lr_scale: float = 1.0
+    lr_scale: float = 1.0  # of the grafted Shampoo direction only: vectors and fallbacks step at the lr itself
 
     @property
     def fallback(self) -> str:
@@ -196,8 +196,7 @@ def vector_work(
     graft_beta2 = group["grafting_beta2"]
     first = momentum_terms(rules, steps, [beta1] * len(steps))
     second = [1.0 - graft_beta2**t if rules.bias_correction else 1.0 for t in steps]
-    neg_lr = -group["lr"] * rules.lr_scale
-    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [neg_lr] * len(steps)]
+    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [-group["lr"]] * len(steps)]
     scalars = [
         v.view(-1) if isinstance(v, Tensor) else v for v in block_table(columns, numels, device, dtype, rules.compiled)
     ]
@@ -330,7 +329,7 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
         [1.0 - g["grafting_beta2"] ** t if rules.bias_correction else 1.0 for g, t in zip(groups, work.steps)],
         [g["grafting_epsilon"] for g in groups],
         [g["shampoo_blend"] for g in groups],
-        [-g["lr"] * rules.lr_scale for g in groups],
+        [-g["lr"] for g in groups],
     ]
     second_term, epsilon, blend, neg_lr = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
     started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]
@@ -365,15 +364,16 @@ def direct_blocks(
     rules: UpdateRules,
     started: bool,
 ) -> Tensor:
-    """A stack's update (pure): the Shampoo direction ``L^(-1/p) M R^(-1/p)`` (the roots hold
-    ``p = root_order``) grafted to the grafting optimizer's norm and blended with it where
-    ``use`` (valid roots, started), else the grafting direction; times ``-lr``."""
+    """A stack's update (pure): the Shampoo direction ``L^(-1/p) M R^(-1/p)`` (``p = root_order``)
+    grafted to the grafting optimizer's norm, times ``lr_scale``, blended with the grafting direction
+    where ``use`` (valid roots, started), else the grafting direction alone; times ``-lr``."""
     fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
     if not started:
         return fallback * neg_lr
     shampoo = torch.bmm(torch.bmm(left_root, followed), right_root)
     if rules.grafting != "none":
         shampoo = graft_norm(shampoo, fallback)
+    shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo
     if isinstance(blend, Tensor) or blend != 1.0:
         shampoo = torch.lerp(fallback, shampoo, blend)
     return torch.where(use[:, None, None], shampoo, fallback) * neg_lr

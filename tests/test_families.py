@@ -1,0 +1,58 @@
+"""The model-family suite (benchmarks/families.py) in miniature: two families, a few steps, one seed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_dash import DashConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+pytest.importorskip("sklearn")
+
+
+def load(name: str):
+    """A benchmark script as a module (registered by name: the suite's worker processes import it)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def test_tiny_suite_trains_every_contender_and_summarises_against_tuned_adamw(tmp_path):
+    families = load("families")
+    records_path, out = tmp_path / "runs.jsonl", tmp_path / "summary.json"
+    summary = families.main(
+        ["--families", "mlp", "embedding", "--seeds", "0", "--workers", "1", "--max-steps", "6", "--extend-edges", "0"]
+        + ["--records", str(records_path), "--out", str(out)]
+    )
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    models = load("family_models")
+    for family in ("mlp", "embedding"):
+        adamw = [r for r in records if r["family"] == family and r["contender"] == "adamw"]
+        # AdamW ran its whole grid; its best lr is the grid's argmin of the final validation loss.
+        assert sorted(r["lr"] for r in adamw) == sorted(models.FAMILIES[family].adamw_lrs)
+        best = min(adamw, key=lambda r: r["final_val"])
+        for record in [r for r in records if r["family"] == family]:
+            assert record["optimizer"] == ("AdamW" if record["contender"] == "adamw" else "DASH")
+            assert record["curve"][-1][0] == 6 and math.isfinite(record["initial_val"])
+            assert record["diverged"] == (record["final_val"] is None or record["final_val"] > record["initial_val"])
+        rows = {row["contender"]: row for row in summary["rows"] if row["family"] == family}
+        assert set(rows) == {"adamw", *families.VARIANTS}
+        assert rows["adamw"]["lr"] == best["lr"] and rows["adamw"]["final_val"] == best["final_val"]
+        dash = next(r for r in records if r["family"] == family and r["contender"] == "dash")
+        assert dash["lr"] == best["lr"]  # DASH runs the AdamW recipe at AdamW's best lr
+        assert rows["dash"]["ratio_to_adamw"] == pytest.approx(dash["final_val"] / best["final_val"])
+        assert dash["dash_config"] == {}  # DASH's own defaults: nothing changed
+    version_04 = next(r for r in records if r["contender"] == "dash-v0.4")
+    assert version_04["dash_config"]["lr_scale"] == "8.0"
+    assert version_04["dash_group"]["epsilon"] == 1e-6 and version_04["dash_group"]["precondition_frequency"] == 2
+    defaults = next(r for r in records if r["contender"] == "dash")["dash_group"]
+    assert defaults["epsilon"] == DashConfig().epsilon
+    assert defaults["precondition_frequency"] == DashConfig().precondition_frequency
+    assert json.loads(out.read_text())["adamw_grids"]["mlp"] == sorted(models.FAMILIES["mlp"].adamw_lrs)

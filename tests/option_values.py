@@ -19,7 +19,7 @@ from lightning_dash.optim.config import GROUP_OPTIONS, OPTION_NAMES
 NON_DEFAULT: dict[str, Any] = {
     "lr": 0.125,
     "betas": (0.5, 0.75),
-    "epsilon": 1e-3,
+    "epsilon": 1e-2,
     "relative_epsilon": False,
     "weight_decay": 0.25,
     "lr_scale": 2.0,

@@ -16,6 +16,7 @@ from reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, RootComputationError
+from lightning_dash.optim.stack_update import any_nonfinite
 
 SOLVERS = ("eigh", "newton_db", "coupled_newton", "chebyshev")
 
@@ -446,3 +447,11 @@ def test_a_checkpoint_from_before_grafting_rms_resumes_exactly():
         opt.step()
     for original, twin in zip((weight, bias), twins):
         torch.testing.assert_close(twin, original, rtol=1e-5, atol=1e-6)
+
+
+def test_the_finiteness_check_passes_empty_tensors_and_catches_a_bad_entry_beside_them():
+    """A rank that owns no block shares empty update tensors; they are finite, not an error."""
+    empty, finite = torch.empty(0), torch.ones(3)
+    assert float(any_nonfinite([empty], torch.device("cpu"))) == 0.0
+    assert float(any_nonfinite([empty, finite], torch.device("cpu"))) == 0.0
+    assert float(any_nonfinite([empty, torch.tensor([1.0, math.inf])], torch.device("cpu"))) == 1.0

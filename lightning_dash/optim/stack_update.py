@@ -114,8 +114,8 @@ def local_peaks(layout: Layout, active: set[int], device: torch.device) -> Tenso
 
 
 def any_nonfinite(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """A 0-d float on ``device``: 1 when some entry of ``tensors`` is not finite, else 0."""
-    if not tensors:
+    """A 0-d float on ``device``: 1 when some entry of ``tensors`` is not finite, else 0 (empty ones pass)."""
+    if not (tensors := [tensor for tensor in tensors if tensor.numel() > 0]):
         return torch.zeros((), device=device)
     peaks = torch.stack([norm.to(torch.float32) for norm in torch._foreach_norm(tensors, math.inf)])
     return (~torch.isfinite(peaks)).any().to(torch.float32)

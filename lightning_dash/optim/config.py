@@ -60,11 +60,16 @@ def _positive_finite(name: str, value: Any) -> float:
     return value
 
 
-def _period(name: str, value: Any) -> int:
-    # ValueError for every value that cannot be a period (a bool, a float, a string such as "auto", 0).
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (steps between root refreshes), got {value!r}")
-    return value
+def _step_count(meaning: str = "") -> Callable[[str, Any], int]:
+    """A check that raises ValueError for every value that is not an integer >= 1 (a bool, a float,
+    a string such as "auto", 0), the message naming the option and, if given, what it counts."""
+
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1{meaning}, got {value!r}")
+        return value
+
+    return check
 
 
 def _non_negative(name: str, value: Any) -> float:
@@ -96,13 +101,6 @@ def _root_order(name: str, value: Any) -> int:
 
 def _matmul_dtype(name: str, value: Any) -> str:
     return dtype_name(check_matmul_dtype(value, name))
-
-
-def _staleness(name: str, value: Any) -> int:
-    # ValueError for every bad value (including a bool or float), as the option's spec asks.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -167,7 +165,10 @@ class DashConfig:
         check_split_rows,
     )
     precondition_frequency: int = _option(
-        10, "recompute the inverse roots every this many steps", _period, per_group=True
+        10,
+        "recompute the inverse roots every this many steps",
+        _step_count(" (steps between root refreshes)"),
+        per_group=True,
     )
     start_preconditioning_step: int = _option(
         1,
@@ -237,7 +238,7 @@ class DashConfig:
         _flag,
     )
     max_staleness: int = _option(
-        1, "latest step, counted from the computation's, at which asynchronous roots must be used", _staleness
+        1, "latest step, counted from the computation's, at which asynchronous roots must be used", _step_count()
     )
 
     def __post_init__(self) -> None:

@@ -64,6 +64,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "precondition": "all_matrices",
     },
 }
+#: Timed beside DASH in the timing rounds only: the same run with the roots computed once (at the first
+#: step) instead of every ``precondition_frequency`` steps, so that ``1 - its training s / DASH's`` is the
+#: share of DASH's training time that goes to refreshing roots.
+ROOTS_ONCE = ("dash-roots-once", {"precondition_frequency": 10**6})
 EVALUATIONS = 10
 #: Per-group options a DASH record states as its first group holds them (converted from AdamW, or set).
 RECORDED_GROUP_OPTIONS = ("epsilon", "precondition_frequency", "betas", "grafting_beta2", "weight_decay")
@@ -104,6 +108,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "diverged": diverged,
         "curve": tracker.curve,
         "train_s": sum(tracker.step_s),
+        # the training batches' mean loss over the last tenth of the steps: with the validation loss,
+        # whether a contender that ends behind fit the training data less or generalised worse
+        "final_train_loss": statistics.fmean(tracker.train_losses[-max(1, steps // EVALUATIONS) :])
+        if tracker.train_losses
+        else None,
         "step_ms_median": 1e3 * statistics.median(tracker.step_s) if tracker.step_s else None,
         "step_ms_mean": 1e3 * statistics.fmean(tracker.step_s) if tracker.step_s else None,
     }
@@ -133,6 +142,7 @@ class Tracker(pl.Callback):
         self.batches = family.validation_batches()
         self.every = every
         self.step_s: list[float] = []
+        self.train_losses: list[float] = []
         self.curve: list[tuple[int, float, float]] = []
         self.initial = math.nan
         self.finite = True
@@ -152,6 +162,7 @@ class Tracker(pl.Callback):
     ) -> None:
         self.step_s.append(time.perf_counter() - self.started)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.train_losses.append(float(loss))
         if not torch.isfinite(loss).all():
             self.finite = False
             trainer.should_stop = True
@@ -307,7 +318,9 @@ def run_timing(
 
 def timing_rows(records: list[dict]) -> list[dict]:
     """Per family and contender: the median over repeats of the median step time, its ratio to
-    AdamW's, and the training seconds to AdamW's final loss (median over repeats)."""
+    AdamW's, the training seconds to AdamW's final loss (median over repeats), and the share of
+    the training seconds that refreshing roots takes (against the same options with roots
+    computed once)."""
     rows = []
     for family in dict.fromkeys(r["family"] for r in records):
         adamw = runs_of(records, family, "adamw")
@@ -321,12 +334,23 @@ def timing_rows(records: list[dict]) -> list[dict]:
                 {
                     "family": family,
                     "contender": contender,
+                    "options": runs[0]["options"],
                     "step_ms": statistics.median(r["step_ms_median"] for r in runs),
                     "step_ratio": statistics.median(r["step_ms_median"] for r in runs) / adamw_ms,
                     "train_s": statistics.median(r["train_s"] for r in runs),
                     "seconds_to_adamw": statistics.median(seconds) if len(seconds) == len(runs) else None,
                 }
             )
+    for row in rows:  # refreshes are one step in ``precondition_frequency``: compare whole runs, not medians
+        once = [
+            other
+            for other in rows
+            if row["contender"] not in ("adamw", ROOTS_ONCE[0])
+            and other["family"] == row["family"]
+            and other["contender"] == ROOTS_ONCE[0]
+            and other["options"] == {**row["options"], **ROOTS_ONCE[1]}
+        ]
+        row["roots_share"] = 1 - once[0]["train_s"] / row["train_s"] if once else None
     return rows
 
 
@@ -351,13 +375,22 @@ def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def timing_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The timing rounds' table (see :func:`timing_rows`)."""
-    header = ["family", "contender", "step ms", "x AdamW step", "training s", "s to AdamW's final loss"]
+    header = [
+        "family",
+        "contender",
+        "step ms",
+        "x AdamW step",
+        "roots' share",
+        "training s",
+        "s to AdamW's final loss",
+    ]
     body = [
         [
             row["family"],
             row["contender"],
             f"{row['step_ms']:.1f}",
             f"{row['step_ratio']:.2f}",
+            "" if row.get("roots_share") is None else f"{row['roots_share']:.2f}",
             f"{row['train_s']:.1f}",
             "-" if row["seconds_to_adamw"] is None else f"{row['seconds_to_adamw']:.1f}",
         ]
@@ -467,6 +500,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.timing and not args.report_only:
         best = {f: lr for f in args.families if (lr := best_adamw_lr(records, f, args.seeds)) is not None}
         timed = {name: variants[name] for name in contenders if name in variants}
+        if "dash" in timed:
+            timed[ROOTS_ONCE[0]] = {**timed["dash"], **ROOTS_ONCE[1]}
         run_timing({f: steps[f] for f in best}, timed, args.seeds[0], args.timing, timing_path, best)
     timing = timing_rows(load_records(timing_path)) if timing_path.exists() else []
     if timing:

@@ -41,6 +41,7 @@ def test_tiny_suite_trains_every_contender_and_summarises_against_tuned_adamw(tm
         for record in [r for r in records if r["family"] == family]:
             assert record["optimizer"] == ("AdamW" if record["contender"] == "adamw" else "DASH")
             assert record["curve"][-1][0] == 6 and math.isfinite(record["initial_val"])
+            assert math.isfinite(record["final_train_loss"])
             assert record["diverged"] == (record["final_val"] is None or record["final_val"] > record["initial_val"])
         rows = {row["contender"]: row for row in summary["rows"] if row["family"] == family}
         assert set(rows) == {"adamw", *families.VARIANTS}
@@ -56,3 +57,25 @@ def test_tiny_suite_trains_every_contender_and_summarises_against_tuned_adamw(tm
     assert defaults["epsilon"] == DashConfig().epsilon
     assert defaults["precondition_frequency"] == DashConfig().precondition_frequency
     assert json.loads(out.read_text())["adamw_grids"]["mlp"] == sorted(models.FAMILIES["mlp"].adamw_lrs)
+
+
+def test_timing_rows_give_the_roots_share_against_the_run_with_roots_computed_once():
+    families = load("families")
+    name, once_options = families.ROOTS_ONCE
+
+    def record(contender: str, options: dict, repeat: int, train_s: float) -> dict:
+        return {
+            **{"family": "f", "contender": contender, "options": options, "repeat": repeat, "lr": 1e-3},
+            **{"train_s": train_s, "step_ms_median": 10 * train_s, "final_val": 0.5},
+            "curve": [(10, train_s / 2, 1.0), (20, train_s, 0.5)],
+        }
+
+    records = [
+        record(contender, options, repeat, scale * train_s)
+        for repeat, scale in enumerate((1.0, 1.5, 0.9))  # a busier and a quieter round: medians are taken
+        for contender, options, train_s in (("adamw", {}, 2.0), ("dash", {}, 4.0), (name, once_options, 3.0))
+    ]
+    rows = {row["contender"]: row for row in families.timing_rows(records)}
+    assert rows["dash"]["roots_share"] == pytest.approx(1 - 3.0 / 4.0)
+    assert rows["adamw"]["roots_share"] is None and rows[name]["roots_share"] is None
+    assert rows["dash"]["step_ratio"] == pytest.approx(2.0)

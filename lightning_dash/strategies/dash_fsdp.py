@@ -81,8 +81,10 @@ class DashFSDPStrategy(ModelParallelStrategy):
     """FSDP2 (``fully_shard``) whose optimizer is DASH, each Shampoo block owned by one rank.
 
     A LightningModule that shards itself in ``configure_model`` is used as it is; an
-    unchanged one is sharded here: every child of each ``nn.ModuleList`` (or each
-    instance of ``shard_modules``), then the root. The optimizer of
+    unchanged one is sharded here as it is written, ties kept: every child of each
+    ``nn.ModuleList`` (or each instance of ``shard_modules``), then the module's callable
+    children, then what remains at the module itself
+    (:func:`~lightning_dash.strategies.fsdp_sharding.shard_module`). The optimizer of
     ``configure_optimizers`` is converted as under ``strategy="dash"`` (its schedulers
     keep working). After FSDP2's reduce-scatter, each block's gradient rows travel to
     its owner (one ``all_to_all``) and the update rows come back (a second one), so the

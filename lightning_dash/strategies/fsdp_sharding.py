@@ -1,13 +1,24 @@
-"""Sharding an unchanged module with FSDP2 the way DASH's strategies do it by default."""
+"""Sharding an unchanged module with FSDP2 the way DASH's strategies do it by default.
+
+FSDP2 shards the parameters of each ``fully_shard`` call as one group, and a Parameter
+shared by two groups would be split into two copies. So every parameter shared between
+modules (tied embeddings, a weight assigned to two layers) must end up in one group: a
+candidate unit that shares a parameter with the rest of the model is not made a unit, and
+top-level modules that share parameters are sharded together in one call.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+#: The LightningModule methods Lightning calls instead of ``forward``: where the model
+#: itself holds parameters, FSDP2 gathers them around these calls.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -15,14 +26,42 @@ def is_sharded(module: nn.Module) -> bool:
     return any(isinstance(param, DTensor) for param in module.parameters())
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` can be called (``ModuleList``, ``ModuleDict`` and ``ParameterList``
+    are containers without a ``forward``: FSDP2 cannot hook them)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _parameter_ids(module: nn.Module) -> set[int]:
+    return {id(param) for param in module.parameters()}
+
+
+def _parameter_ids_outside(root: nn.Module, *excluded: nn.Module) -> set[int]:
+    """The parameters reachable from ``root`` without passing through any of ``excluded``."""
+    found: set[int] = set()
+    seen = {id(module) for module in excluded}
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.update(id(param) for param in module.parameters(recurse=False))
+        stack.extend(module.children())
+    return found
+
+
 def shard_units(module: nn.Module, classes: Collection[type[nn.Module]] | None) -> list[nn.Module]:
     """The submodules that become FSDP2 units before the root, innermost first: instances
     of ``classes`` when given, else every child of every ``nn.ModuleList`` (the layers
-    of a transformer)."""
+    of a transformer); a candidate that shares a parameter with the rest of ``module``
+    is left to an enclosing group, so that the tie survives."""
     if classes:
         found = [m for m in module.modules() if m is not module and isinstance(m, tuple(classes))]
     else:
         found = [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
+    found = list({id(m): m for m in found}.values())
+    found = [m for m in found if not _parameter_ids(m) & _parameter_ids_outside(module, m)]
     order = {id(m): position for position, m in enumerate(module.modules())}
     return sorted(found, key=lambda m: -order[id(m)])
 
@@ -32,11 +71,28 @@ def shard_model(module: nn.Module, mesh: DeviceMesh | None, classes: Collection[
     ``nn.ModuleList``, or the instances of ``classes``), then ``module`` itself: Fabric
     calls the module it set up, so its root is the model (for a LightningModule,
     :func:`shard_module` shards its children instead). Weights tied across the root's
-    children stay tied."""
+    children stay tied: they are in the root's group."""
     options = {"mesh": mesh} if mesh is not None else {}
     for unit in shard_units(module, classes):
         fully_shard(unit, **options)
     fully_shard(module, **options)
+
+
+def _callable_children(module: nn.Module, skipped: set[int]) -> Iterator[nn.Module]:
+    """The children of ``module`` that hold parameters and are not in ``skipped``, with each
+    container (a module without ``forward``) replaced by its own callable children."""
+    for child in module.children():
+        if id(child) in skipped:
+            continue
+        if not has_forward(child):
+            yield from _callable_children(child, skipped)
+        elif any(True for _ in child.parameters()):
+            yield child
+
+
+def _shares_parameters(module: nn.Module, others: list[nn.Module]) -> bool:
+    ids = _parameter_ids(module)
+    return any(ids & _parameter_ids(other) for other in others if other is not module)
 
 
 def shard_module(
@@ -45,18 +101,27 @@ def shard_module(
     classes: Collection[type[nn.Module]] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> int:
-    """Apply ``fully_shard`` to each unit of :func:`shard_units`, then to the roots: each
-    child of ``module`` that holds parameters (a LightningModule's training step calls
-    its models, not its own ``forward``), and ``module`` itself when it holds
-    parameters directly. Returns how many units there were in all."""
+    """Shard a LightningModule as FSDP2 units whose hooks Lightning's calls reach.
+
+    Lightning calls the step methods, not ``forward``; they call the model's children. So:
+    each unit of :func:`shard_units` first; then each callable child holding parameters
+    (containers such as a top-level ``ModuleList`` are looked into, not sharded) that shares
+    none with another; and, where parameters remain (on ``module`` itself, in a
+    ``ParameterList``, or in children tied to each other), ``module`` as the root, gathered
+    around its step methods. Returns how many FSDP2 groups there were.
+    """
     options: dict = {"mesh": mesh} if mesh is not None else {}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     units = shard_units(module, classes)
-    sharded = {id(unit) for unit in units}
-    roots = [child for child in module.children() if id(child) not in sharded and any(True for _ in child.parameters())]
+    children = list(_callable_children(module, {id(unit) for unit in units}))
+    loose = _parameter_ids_outside(module, *units, *children)  # on module itself or in a ParameterList
+    roots = [c for c in children if not _shares_parameters(c, children) and not loose & _parameter_ids(c)]
     for unit in [*units, *roots]:
         fully_shard(unit, **options)
-    if any(True for _ in module.parameters(recurse=False)):
-        fully_shard(module, **options)
-    return len(units) + len(roots)
+    if not _parameter_ids(module) - set().union(*map(_parameter_ids, [*units, *roots])):
+        return len(units) + len(roots)
+    fully_shard(module, **options)
+    for name in STEP_METHODS:
+        register_fsdp_forward_method(module, name)
+    return len(units) + len(roots) + 1

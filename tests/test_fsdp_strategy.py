@@ -8,6 +8,8 @@ same global batches, computed here without Lightning or FSDP.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -255,3 +257,61 @@ def test_resuming_with_another_block_size_names_it(reference_file, tmp_path):
     other = DashFSDPStrategy(start_method="spawn", **{**DASH_OPTIONS, "block_size": 16})
     with pytest.raises(Exception, match="written with block_size=8 and this optimizer has block_size=16"):
         trainer(2, 4, tmp_path, strategy=other).fit(LMModule(reference_file), ckpt_path=checkpoint)
+
+
+class KilledWhileSavingLast(LMModule):
+    """Rank 1 is killed (SIGKILL) right after writing its shard of ``last.ckpt`` at step 4,
+    before the checkpoint's metadata: what a crash in the middle of a save leaves."""
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.trainer.global_step < 4 or self.trainer.global_rank != 1:
+            return
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write_data = FileSystemWriter.write_data
+
+        def write_then_die(writer, plan, planner):
+            written = write_data(writer, plan, planner)
+            if "last" in str(writer.path):
+                written.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        FileSystemWriter.write_data = write_then_die
+
+
+def test_a_rank_killed_while_saving_leaves_the_last_complete_checkpoint(reference_file, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps: int, module: LMModule, **fit) -> None:
+        strategy = DashFSDPStrategy(start_method="spawn", save_distributed_checkpoint=True, **DASH_OPTIONS)
+        saving = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, every_n_train_steps=2)
+        pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=steps,
+            callbacks=[saving],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module, **fit)
+
+    with pytest.raises(Exception, match="SIGKILL|exit code|terminated"):
+        run(6, KilledWhileSavingLast(reference_file))
+    release_process_group()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+    # resumed, every step equals single-process DASH again (LMModule checks each one): nothing mixed
+    run(6, LMModule(reference_file), ckpt_path=last)
+
+
+@pytest.mark.parametrize("strategy_class", [DashFSDPStrategy, DashStrategy])
+def test_resuming_from_a_truncated_file_names_it(reference_file, tmp_path, strategy_class):
+    whole = tmp_path / "whole.ckpt"
+    torch.save({"state_dict": TinyLM().state_dict(), "padding": torch.zeros(4096)}, whole)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(whole.read_bytes()[:5000])
+    strategy = strategy_class(start_method="spawn", **DASH_OPTIONS)
+    with pytest.raises(Exception, match="truncated.ckpt .*truncated or corrupted"):
+        trainer(2, 4, tmp_path, strategy=strategy).fit(LMModule(reference_file), ckpt_path=truncated)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,8 +16,9 @@ from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.fabric.optimizers import SchedulerFollowsConversion, convert, whole_state
+from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
-from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
+from lightning_dash.integration.sharded_checkpoint import read_whole
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 
@@ -133,9 +133,13 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        folder = Path(path) if isinstance(path, (str, Path)) else None
+        folder = local_path(path)
+        if folder is not None:  # refused with the file named if incomplete; a crashed save's copy if needed
+            folder = complete_checkpoint(folder)
         if folder is None or not is_distributed_checkpoint(folder):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            return super().load_checkpoint(
+                path if folder is None else folder, state, strict=strict, weights_only=weights_only
+            )
         # Written by strategy="dash_fsdp": read whole (the shards joined), then restored as Fabric restores a file.
         checkpoint = read_whole(folder, weights_only)
         if not state:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,15 +31,17 @@ from lightning_dash.fabric.optimizers import (
     replace_parameters,
     whole_state,
 )
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
-from lightning_dash.integration.sharded_checkpoint import (
+from lightning_dash.integration.checkpoint_files import (
     METADATA_FILE,
-    checkpoint_state,
+    check_replaceable,
+    complete_checkpoint,
     is_distributed_checkpoint,
-    load_model,
-    load_optimizer,
-    name_parameters,
+    publish,
+    remove,
+    staging_path,
 )
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.layout import param_names
@@ -250,21 +251,22 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
             else:
                 converted, target = obj.state_dict() if isinstance(obj, _Stateful) else obj, metadata
             _apply_filter(key, filter or {}, converted, target)
+        check_replaceable(path)
+        staged = staging_path(path)  # written whole, then moved onto path: a crash leaves the old one
         if self.global_rank == 0:
-            if distributed and path.is_file():
-                path.unlink()
-            elif not distributed and is_distributed_checkpoint(path):
-                shutil.rmtree(path)
-            elif not distributed and path.is_dir():
-                raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+            remove(staged)
         self.barrier()
         if distributed:
-            path.mkdir(parents=True, exist_ok=True)
-            dcp.save(contents, checkpoint_id=path)
+            staged.mkdir(parents=True, exist_ok=True)
+            dcp.save(contents, checkpoint_id=staged)
             if self.global_rank == 0:
-                torch.save(metadata, path / METADATA_FILE)
+                torch.save(metadata, staged / METADATA_FILE)
         elif self.global_rank == 0:
-            torch.save({**contents, **metadata}, path)
+            torch.save({**contents, **metadata}, staged)
+        self.barrier()
+        if self.global_rank == 0:
+            publish(staged, path)
+        self.barrier()
 
     @override
     def load_checkpoint(
@@ -278,7 +280,7 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         size: from a distributed checkpoint each rank reads only its blocks."""
         if not isinstance(state, dict) or not any(isinstance(obj, DASH) for obj in state.values()):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = Path(self.broadcast(path))
+        path = complete_checkpoint(Path(self.broadcast(path)))
         key, module = _sharded_module(state)
         rest = load_model(module, path, key, strict, weights_only)
         optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}

@@ -23,6 +23,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from lightning_dash.integration.checkpoint_files import (
+    METADATA_FILE,
+    check_complete,
+    is_distributed_checkpoint,
+    load_file,
+)
 from lightning_dash.optim import DASH
 from lightning_dash.optim.layout import param_names
 
@@ -94,28 +100,17 @@ def optimizer_template(optimizer: DASH, metadata: dict[str, Any], prefix: str) -
     return template
 
 
-#: The file beside a distributed checkpoint's shards with everything that is not a
-#: model or optimizer (Lightning's and Fabric's name for it).
-METADATA_FILE = "meta.pt"
-
-
-def is_distributed_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a folder written by ``torch.distributed.checkpoint`` (with its metadata file)."""
-    return path.is_dir() and (path / METADATA_FILE).is_file()
-
-
 def load_model(module: nn.Module, path: Path, key: str, strict: bool, weights_only: bool | None) -> dict[str, Any]:
     """Load ``module``'s weights saved under ``key`` (a distributed checkpoint folder, or a
     full single file, at any world size) and return the rest of the checkpoint: the
-    metadata file's contents, or the file without ``key``. Collective."""
+    metadata file's contents, or the file without ``key``. ``path`` must have passed
+    :func:`~lightning_dash.integration.checkpoint_files.complete_checkpoint`. Collective."""
     if is_distributed_checkpoint(path):
         state = {key: get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(module, state[key], options=StateDictOptions(strict=strict))
-        return torch.load(path / METADATA_FILE, weights_only=weights_only)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (neither a file nor a distributed checkpoint folder)")
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        return load_file(path / METADATA_FILE, weights_only=weights_only)
+    checkpoint = load_file(path, mmap=True, map_location="cpu", weights_only=weights_only)
     weights = checkpoint.pop(key)
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     return checkpoint
@@ -125,11 +120,12 @@ def read_whole(path: Path, weights_only: bool | None) -> dict[str, Any]:
     """Everything a distributed checkpoint folder holds, whole, in one dict (its shards
     joined, plus its metadata file's entries): how a run with whole parameters (DDP)
     reads a checkpoint written by sharded ranks. Not collective."""
+    check_complete(path)
     with tempfile.TemporaryDirectory() as folder:
         whole = Path(folder) / "whole.pt"
         dcp_to_torch_save(str(path), str(whole))
         content = torch.load(whole, map_location="cpu", weights_only=weights_only)
-    return {**torch.load(path / METADATA_FILE, weights_only=weights_only), **content}
+    return {**load_file(path / METADATA_FILE, weights_only=weights_only), **content}
 
 
 def load_optimizer(optimizer: DASH, path: Path, prefix: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -19,8 +18,9 @@ from typing_extensions import override
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
+from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
-from lightning_dash.integration.sharded_checkpoint import is_distributed_checkpoint, read_whole
+from lightning_dash.integration.sharded_checkpoint import read_whole
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
 from lightning_dash.optim.validation import check_choice, check_int, check_number
@@ -222,9 +222,11 @@ class DashStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # A folder written by strategy="dash_fsdp": read whole, in Lightning's checkpoint layout.
-        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
+        path = local_path(checkpoint_path)
+        if path is not None:  # refused with the file named if incomplete; a crashed save's copy if needed
+            path = complete_checkpoint(path)
         if path is None or not is_distributed_checkpoint(path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return super().load_checkpoint(checkpoint_path if path is None else path, weights_only=weights_only)
         checkpoint = read_whole(path, weights_only)
         count = sum(1 for key in checkpoint if key.startswith("optimizer_"))
         checkpoint["optimizer_states"] = [checkpoint.pop(f"optimizer_{index}") for index in range(count)]

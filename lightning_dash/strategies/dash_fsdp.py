@@ -26,14 +26,16 @@ from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
-from lightning_dash.integration.sharded_checkpoint import (
-    checkpoint_state,
+from lightning_dash.integration.checkpoint_files import (
+    check_replaceable,
+    complete_checkpoint,
     is_distributed_checkpoint,
-    load_model,
-    load_optimizer,
-    name_parameters,
+    publish,
+    remove,
+    staging_path,
 )
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.integration.traffic import fsdp_bytes_per_step
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
@@ -211,8 +213,25 @@ class DashFSDPStrategy(ModelParallelStrategy):
         return super().optimizer_state(optimizer)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """As ModelParallelStrategy, but written under a staging name and moved onto
+        ``filepath`` once every rank has finished: a crash while writing leaves the
+        previous checkpoint as it was (:mod:`~lightning_dash.integration.checkpoint_files`)."""
+        path = Path(self.broadcast(filepath))
+        check_replaceable(path)
+        staged = staging_path(path)
+        if self.global_rank == 0:
+            remove(staged)  # what a crashed save left
+        self.barrier()
+        super().save_checkpoint(checkpoint, staged, storage_options=storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            publish(staged, path)
+        self.barrier()
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
+        path = complete_checkpoint(Path(self.broadcast(checkpoint_path)))
         assert self.lightning_module is not None
         rest = load_model(self.model, path, "state_dict", self.lightning_module.strict_loading, weights_only)
         for index, optimizer in enumerate(self.optimizers):

@@ -1,0 +1,163 @@
+"""Checkpoints that are complete or refused: staged writes, published by rename, checked at load.
+
+A checkpoint is written under a staging name beside its destination (``<name>.partial``)
+and moved onto the destination only once every rank has finished, so a crash while
+writing leaves the previous checkpoint as it was. A folder cannot replace a folder in one
+rename: the old one is moved aside (``<name>.replaced``) first, and a crash between the two
+renames is recovered at load by :func:`complete_checkpoint`, which prefers the newer
+complete copy. At load, a distributed checkpoint folder is checked against its own
+metadata (every shard file present and as long as the metadata says) and a single file
+must be a whole torch archive with intact checksums; anything else raises :class:`IncompleteCheckpointError`
+naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+#: The file beside a distributed checkpoint's shards with everything that is not a
+#: model or optimizer (Lightning's and Fabric's name for it).
+METADATA_FILE = "meta.pt"
+#: The file ``torch.distributed.checkpoint`` writes last, listing every shard.
+DCP_METADATA_FILE = ".metadata"
+#: How a zip archive (``torch.save``'s format) begins.
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint that is truncated, corrupted or missing part of its files."""
+
+
+def staging_path(path: Path) -> Path:
+    """Where the checkpoint for ``path`` is written before it is published."""
+    return path.with_name(f"{path.name}.partial")
+
+
+def replaced_path(path: Path) -> Path:
+    """Where a folder checkpoint at ``path`` waits while its successor is moved in."""
+    return path.with_name(f"{path.name}.replaced")
+
+
+def remove(path: Path) -> None:
+    """Delete the file or folder at ``path``, if any."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to save onto ``path`` where a folder is there that is not a checkpoint (publishing
+    would delete it)."""
+    if path.is_dir() and not (is_distributed_checkpoint(path) or (path / DCP_METADATA_FILE).is_file()):
+        raise IsADirectoryError(f"the checkpoint path exists and is a folder that is not a checkpoint: {path}")
+
+
+def publish(staged: Path, path: Path) -> None:
+    """Move the complete checkpoint ``staged`` onto ``path``, replacing what is there: one
+    atomic rename for a file onto a file; for a folder, the old one moved aside first."""
+    if staged.is_file() and not path.is_dir():
+        os.replace(staged, path)
+        return
+    aside = replaced_path(path)
+    remove(aside)
+    if path.exists():
+        os.rename(path, aside)
+    os.rename(staged, path)
+    remove(aside)
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``torch.distributed.checkpoint`` (with its metadata file)."""
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def check_complete(path: Path) -> None:
+    """Raise :class:`IncompleteCheckpointError` unless ``path`` is a whole checkpoint: a torch
+    archive whose every record matches its CRC-32 (one read of the file), or a distributed
+    checkpoint folder whose metadata files are there and load and whose every shard file is
+    present and as long as the metadata says (shards carry no checksums: a byte changed
+    inside one is not detected)."""
+    if path.is_file():
+        with path.open("rb") as file:
+            head = file.read(len(ZIP_MAGIC))
+        if len(head) < len(ZIP_MAGIC) and ZIP_MAGIC.startswith(head):
+            raise IncompleteCheckpointError(f"the checkpoint file {path} is truncated: {len(head)} bytes")
+        if head != ZIP_MAGIC:  # torch's legacy format: reading it names the file if it fails
+            return
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()  # reads every record against its CRC-32
+        except (zipfile.BadZipFile, OSError, EOFError) as error:
+            raise IncompleteCheckpointError(
+                f"the checkpoint file {path} ({path.stat().st_size} bytes) is truncated or corrupted: "
+                f"it is not a whole torch archive ({error})"
+            ) from error
+        if damaged is not None:
+            raise IncompleteCheckpointError(f"the checkpoint file {path} is corrupted: record {damaged} fails its CRC")
+        return
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path} (neither a file nor a distributed checkpoint folder)")
+    for name in (DCP_METADATA_FILE, METADATA_FILE):
+        if not (path / name).is_file():
+            raise IncompleteCheckpointError(
+                f"the checkpoint folder {path} has no {name}: it was not completely written"
+            )
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise IncompleteCheckpointError(f"{path / DCP_METADATA_FILE} is truncated or corrupted: {error}") from error
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise IncompleteCheckpointError(f"the checkpoint folder {path} is missing its shard file {name}")
+        if shard.stat().st_size < length:
+            raise IncompleteCheckpointError(
+                f"the shard file {shard} is truncated: {shard.stat().st_size} bytes where its metadata needs {length}"
+            )
+
+
+def local_path(value: Any) -> Path | None:
+    """``value`` as a local path, or None for a URL (``s3://...``) or anything else."""
+    if isinstance(value, (str, os.PathLike)) and "://" not in str(value):
+        return Path(value)
+    return None
+
+
+def complete_checkpoint(path: Path) -> Path:
+    """The complete checkpoint ``path`` names, checked: ``path`` itself, or, where a crash
+    fell between the two renames of :func:`publish`, its newer staged copy when that is
+    complete, else the older one moved aside (with a warning saying which)."""
+    if not path.exists():
+        for candidate in (staging_path(path), replaced_path(path)):
+            try:
+                check_complete(candidate)
+            except (FileNotFoundError, IncompleteCheckpointError):
+                continue
+            warnings.warn(
+                f"no checkpoint at {path}: a save was interrupted while replacing it; loading the complete "
+                f"copy {candidate}",
+                stacklevel=3,
+            )
+            return candidate
+    check_complete(path)
+    return path
+
+
+def load_file(path: Path, **options: Any) -> Any:
+    """``torch.load(path, **options)``, with a failure that names the file."""
+    try:
+        return torch.load(path, **options)
+    except Exception as error:
+        raise IncompleteCheckpointError(f"could not read the checkpoint file {path}: {error}") from error

@@ -51,7 +51,7 @@ from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.row_exchange import exchange_for, plan_pieces, row_ranges
+from lightning_dash.distributed.row_exchange import exchange_for, main_holder, plan_pieces, row_range
 from lightning_dash.optim.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.config import DashConfig
 from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
@@ -122,7 +122,7 @@ def block_state_bytes(rows: int, cols: int, element_bytes: int = FLOAT32) -> int
 
 
 def local_rows(rows: int, world_size: int, rank: int) -> int:
-    start, end = row_ranges(rows, world_size)[rank]
+    start, end = row_range(rows, world_size, rank)
     return end - start
 
 
@@ -166,9 +166,12 @@ class ShardedPlan:
     elements_sent: list[int]
     largest_block_state_bytes: int
     #: Seconds for everything a single rank computes at its first step (owners, every
-    #: rank's stacks, every piece, its own exchange), and for the other ranks' exchanges.
+    #: rank's stacks, the pieces it sends or receives, its exchange), and for every piece
+    #: and the other ranks' exchanges.
     rank_setup_s: float
     all_exchanges_s: float
+    #: Of all gradient elements of the blocks, the share held by a rank other than the block's owner.
+    moved_fraction: float
 
 
 def sharded_plan(
@@ -177,24 +180,30 @@ def sharded_plan(
     block_size: int,
     precondition_frequency: int = 10,
     root_iterations: int = 10,
+    prefer_holders: bool = True,
 ) -> ShardedPlan:
     """The plan of ``ShardedDistributor.plan_stacks`` for every rank, from parameter stand-ins.
 
     One parameter group with one ``precondition_frequency``; blocks are owned from
-    scratch (a distributor that has not planned before).
+    scratch (a distributor that has not planned before). ``prefer_holders=False`` gives
+    the plan of plain LPT (version 0.5's), which ignored where the rows were.
     """
     start = time.perf_counter()
     views = [MatrixView.of(p.shape) if p.dim() >= 2 and p.numel() > 0 else None for p in params]
     regions = matrix_regions(views, block_size)
     tiles = [tile for region in regions for tile in region.single_tiles()]
     costs = [block_cost(*tile.block_shape, precondition_frequency, root_iterations) for tile in tiles]
-    owners = lpt_assign(costs, world_size)
-    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
     shapes = {index: matrix_shape(param.shape) for index, param in enumerate(params) if param.dim() >= 2}
-    pieces = plan_pieces(rank_plans, shapes, world_size)
-    exchanges = [exchange_for(pieces, 0, world_size, shapes)]
+    preferred = [
+        main_holder(t.row_start, t.block_shape[0], shapes[t.param_index][0], shapes[t.param_index][0], world_size)
+        for t in tiles
+    ]
+    owners = lpt_assign(costs, world_size, preferred=preferred if prefer_holders else None)
+    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
+    exchanges = [exchange_for(plan_pieces(rank_plans, shapes, world_size, rank=0), 0, world_size, shapes)]
     setup = time.perf_counter() - start
     start = time.perf_counter()
+    pieces = plan_pieces(rank_plans, shapes, world_size)
     exchanges += [exchange_for(pieces, rank, world_size, shapes) for rank in range(1, world_size)]
     others = time.perf_counter() - start
     loads = [0.0] * world_size
@@ -218,6 +227,7 @@ def sharded_plan(
         largest_block_state_bytes=max(block_state_bytes(*tile.block_shape) for tile in tiles),
         rank_setup_s=setup,
         all_exchanges_s=others,
+        moved_fraction=sum(p.numel for p in pieces if p.holder != p.owner) / sum(p.numel for p in pieces),
     )
 
 
@@ -234,6 +244,7 @@ def estimate(config: Qwen3Config, world_size: int, block_size: int) -> dict:
     shapes = [shape for _, shape in named]
     root = [not name.startswith("model.layers.") for name, _ in named]
     plan = sharded_plan(meta_parameters(shapes), world_size, block_size)
+    plain = sharded_plan(meta_parameters(shapes), world_size, block_size, prefer_holders=False)
     sent = [FLOAT32 * elements for elements in plan.elements_sent]
     adamw = adamw_state_bytes(shapes, world_size)
     return {
@@ -243,6 +254,9 @@ def estimate(config: Qwen3Config, world_size: int, block_size: int) -> dict:
         "blocks": plan.blocks,
         "pieces": plan.pieces,
         "ownership_balance": plan.balance,
+        "ownership_balance_plain_lpt": plain.balance,
+        "moved_fraction": plan.moved_fraction,
+        "moved_fraction_plain_lpt": plain.moved_fraction,
         "owned_blocks_max": max(plan.owned_blocks),
         "owned_blocks_min": min(plan.owned_blocks),
         "dash_state_bytes_max": max(plan.state_bytes),
@@ -275,6 +289,7 @@ def format_table(records: list[dict]) -> str:
         "FSDP2 sent GiB/step",
         "DASH/FSDP2 sent",
         "setup s",
+        "rows moved (plain LPT)",
     ]
     rows = [
         [
@@ -287,7 +302,8 @@ def format_table(records: list[dict]) -> str:
             f"{r['dash_bytes_sent_per_step_max'] / GIB:.3f} / {r['dash_bytes_sent_per_step_mean'] / GIB:.3f}",
             f"{r['fsdp_bytes_per_step'] / GIB:.3f}",
             f"{100 * r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}%",
-            f"{r['rank_setup_s']:.1f}",
+            f"{r['rank_setup_s']:.2f}",
+            f"{100 * r['moved_fraction']:.1f}% ({100 * r['moved_fraction_plain_lpt']:.1f}%)",
         ]
         for r in records
     ]

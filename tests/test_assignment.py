@@ -16,6 +16,7 @@ from lightning_dash.distributed import (
     plan_parameter_ownership,
     round_robin_parameters,
 )
+from lightning_dash.distributed.assignment import lpt_assign
 
 
 def optimal_makespan(costs: list[float], world_size: int) -> float:
@@ -157,3 +158,31 @@ def test_block_cost_is_symmetric_and_root_term_grows_as_frequency_falls():
     root = 12 * (512**3 + 256**3) * 10
     assert costs[2] == pytest.approx(step + root)
     assert costs[1] == pytest.approx(step + root / 10)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_preferences_keep_plain_lpt_loads(seed):
+    rng = random.Random(seed)
+    world_size = rng.randint(2, 6)
+    costs = [float(rng.choice([1, 2, 3, 5])) for _ in range(rng.randint(5, 40))]
+    preferred = [rng.choice([None, *range(world_size)]) for _ in costs]
+    plain, placed = lpt_assign(costs, world_size), lpt_assign(costs, world_size, preferred=preferred)
+
+    def loads(owners):
+        totals = [0.0] * world_size
+        for owner, cost in zip(owners, costs):
+            totals[owner] += cost
+        return sorted(totals)
+
+    assert loads(placed) == loads(plain)  # only equal loads were chosen among
+
+
+def test_equal_blocks_all_land_on_their_holders_when_holders_are_balanced():
+    # 16 equal blocks of one weight at 2 ranks: rank 0 holds the first 8, rank 1 the last 8
+    preferred = [0] * 8 + [1] * 8
+    assert lpt_assign([1.0] * 16, 2, preferred=preferred) == preferred
+    assert lpt_assign([1.0] * 16, 2) == [0, 1] * 8  # plain LPT moves half of them
+    # two sizes, three ranks, each rank holding as many of each size: every block stays
+    costs = [4.0] * 6 + [1.0] * 9
+    preferred = [0, 0, 1, 1, 2, 2] + [2, 1, 0] * 3
+    assert lpt_assign(costs, 3, preferred=preferred) == preferred

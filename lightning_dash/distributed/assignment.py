@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,20 +96,49 @@ def _plan(owners: list[int], costs: Sequence[float], world_size: int) -> Ownersh
     return OwnershipPlan(tuple(owners), tuple(loads), world_size)
 
 
-def lpt_assign(costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None) -> list[int]:
+def lpt_assign(
+    costs: Sequence[float],
+    world_size: int,
+    loads: Sequence[float] | None = None,
+    preferred: Sequence[int | None] | None = None,
+) -> list[int]:
     """Greedy longest-processing-time assignment, deterministically: items by cost
-    descending (ties by input index), each to the currently least-loaded rank (ties by
-    lowest rank), starting from ``loads`` (default: all zero). The makespan is within
-    ``4/3 - 1/(3 * world_size)`` of optimal."""
+    descending (ties by input index), each to the currently least-loaded rank, starting
+    from ``loads`` (default: all zero), the lowest of equally loaded ranks.
+
+    With ``preferred`` (each item's rank that already holds its data, or None), an item
+    goes to its preferred rank when that is among the least loaded, and items of equal
+    cost are taken in turns by preferred rank (one preferring rank 0, one preferring rank
+    1, ..., then each one's second), so that a round of equal items can each land where
+    they are. Both only reorder or choose among equals, so the loads are plain LPT's, whose
+    makespan is within ``4/3 - 1/(3 * world_size)`` of optimal."""
     _validate(costs, world_size)
-    order = sorted(range(len(costs)), key=lambda index: (-costs[index], index))
-    heap = [(float(load), rank) for rank, load in enumerate(loads or [0.0] * world_size)]
+    if preferred is None:
+        order = sorted(range(len(costs)), key=lambda index: (-costs[index], index))
+    else:
+        seen: Counter[tuple[float, int | None]] = Counter()
+        turn = []
+        for cost, rank in zip(costs, preferred):
+            turn.append(seen[cost, rank])
+            seen[cost, rank] += 1
+        order = sorted(
+            range(len(costs)),
+            key=lambda i: (-costs[i], turn[i], -1 if preferred[i] is None else preferred[i], i),
+        )
+    current = [float(load) for load in (loads or [0.0] * world_size)]
+    heap = [(load, rank) for rank, load in enumerate(current)]
     heapq.heapify(heap)
     owners = [0] * len(costs)
     for index in order:
-        load, rank = heapq.heappop(heap)
+        while heap[0][0] != current[heap[0][1]]:  # an entry from before that rank's load grew
+            heapq.heappop(heap)
+        least, rank = heap[0]
+        wanted = preferred[index] if preferred is not None else None
+        if wanted is not None and current[wanted] == least:
+            rank = wanted
         owners[index] = rank
-        heapq.heappush(heap, (load + costs[index], rank))
+        current[rank] += costs[index]
+        heapq.heappush(heap, (current[rank], rank))
     return owners
 
 

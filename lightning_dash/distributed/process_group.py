@@ -69,15 +69,23 @@ class ProcessGroupDistributor(WholeParameters):
         """max / mean of the per-rank cost of the current ownership."""
         return imbalance(self._loads())
 
-    def assign_owners(self, keys: list[Hashable], shapes: list[tuple[int, int]], frequencies: list[int]) -> list[int]:
+    def assign_owners(
+        self,
+        keys: list[Hashable],
+        shapes: list[tuple[int, int]],
+        frequencies: list[int],
+        preferred: list[int | None] | None = None,
+    ) -> list[int]:
         """Owner of each block (not collective); blocks seen before keep their owner, new
-        ones are placed by LPT on top of the existing loads."""
+        ones are placed by LPT on top of the existing loads, each on its ``preferred`` rank
+        (where its data already is) when that rank is among the least loaded."""
         costs = [
             block_cost(rows, cols, frequency, self.root_iterations)
             for (rows, cols), frequency in zip(shapes, frequencies)
         ]
         new = [i for i, key in enumerate(keys) if key not in self._owners]
-        placed = lpt_assign([costs[i] for i in new], self.world_size, self._loads())
+        wanted = None if preferred is None else [preferred[i] for i in new]
+        placed = lpt_assign([costs[i] for i in new], self.world_size, self._loads(), wanted)
         owners = [self._owners.get(key, -1) for key in keys]
         for index, owner in zip(new, placed):
             owners[index] = owner

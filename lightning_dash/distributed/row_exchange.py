@@ -18,10 +18,10 @@ from torch import Tensor
 from lightning_dash.optim.blocks import StackPlan
 
 
-def row_ranges(rows: int, world_size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of the rows each rank holds of a dimension of ``rows`` (chunk semantics)."""
+def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of the rows ``rank`` holds of a dimension of ``rows`` (chunk semantics)."""
     chunk = -(-rows // world_size) if rows else 0
-    return [(min(rank * chunk, rows), min((rank + 1) * chunk, rows)) for rank in range(world_size)]
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,35 @@ class Piece:
         return self.height * self.width
 
 
-def view_row_ranges(view_rows: int, leading: int, world_size: int) -> list[tuple[int, int]]:
-    """Each rank's rows of a matrix view of ``view_rows`` rows of a parameter whose first
+def view_row_range(view_rows: int, leading: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``rank``'s rows of a matrix view of ``view_rows`` rows of a parameter whose first
     dimension, the one FSDP2 shards, has ``leading`` entries (a stack of experts viewed
     as one matrix per expert has ``view_rows / leading`` rows per entry)."""
     per_entry = view_rows // leading if leading else 1
-    return [(start * per_entry, end * per_entry) for start, end in row_ranges(leading, world_size)]
+    start, end = row_range(leading, world_size, rank)
+    return start * per_entry, end * per_entry
+
+
+def holders_of(top: int, height: int, view_rows: int, leading: int, world_size: int) -> range:
+    """The ranks that may hold rows ``[top, top + height)`` of the matrix view: only the
+    ranks whose chunks the rows cross, found by division (not by visiting every rank)."""
+    chunk = -(-leading // world_size) if leading else 0
+    span = chunk * (view_rows // leading if leading else 1)  # view rows per rank's chunk
+    if span == 0 or height == 0:
+        return range(0)
+    return range(top // span, min((top + height - 1) // span, world_size - 1) + 1)
+
+
+def main_holder(top: int, height: int, view_rows: int, leading: int, world_size: int) -> int | None:
+    """The rank that holds most of rows ``[top, top + height)`` of the matrix view (the
+    lowest of equals; None when no rank holds any): the owner that moves fewest rows."""
+    best, most = None, 0
+    for holder in holders_of(top, height, view_rows, leading, world_size):
+        start, end = view_row_range(view_rows, leading, world_size, holder)
+        held = min(top + height, end) - max(top, start)
+        if held > most:
+            best, most = holder, held
+    return best
 
 
 def plan_pieces(
@@ -67,10 +90,12 @@ def plan_pieces(
     shapes: dict[int, tuple[int, int]],
     world_size: int,
     leading: dict[int, int] | None = None,
+    rank: int | None = None,
 ) -> list[Piece]:
     """Every piece of every rank's blocks, in the canonical order: owner, its stack,
-    block, then holder. ``shapes`` are the matrix views of the parameters by index,
-    ``leading`` their first dimensions where the view's rows differ from it."""
+    block, then holder; with ``rank``, only the pieces it sends or receives (what its
+    side of the exchange needs). ``shapes`` are the matrix views of the parameters by
+    index, ``leading`` their first dimensions where the view's rows differ from it."""
     leading = leading or {}
     pieces = []
     for owner, plans in enumerate(rank_plans):
@@ -78,10 +103,13 @@ def plan_pieces(
             block_rows, block_cols = plan.block_shape
             for region in plan.regions:
                 rows = shapes[region.param_index][0]
-                ranges = view_row_ranges(rows, leading.get(region.param_index, rows), world_size)
+                entries = leading.get(region.param_index, rows)
                 for offset, tile in enumerate(region.single_tiles()):
                     top, left = tile.row_start, tile.col_start
-                    for holder, (start, end) in enumerate(ranges):
+                    for holder in holders_of(top, block_rows, rows, entries, world_size):
+                        if rank is not None and rank not in (owner, holder):
+                            continue
+                        start, end = view_row_range(rows, entries, world_size, holder)
                         low, high = max(top, start), min(top + block_rows, end)
                         if low < high:
                             pieces.append(
@@ -141,7 +169,8 @@ def exchange_for(
     shapes: dict[int, tuple[int, int]],
     leading: dict[int, int] | None = None,
 ) -> RowExchange:
-    """The side of ``rank`` of the exchange of ``pieces`` (see :func:`plan_pieces`)."""
+    """The side of ``rank`` of the exchange of ``pieces`` (see :func:`plan_pieces`; the
+    pieces of every rank, or only those ``rank`` sends or receives)."""
     leading = leading or {}
     outgoing: list[list[Piece]] = [[] for _ in range(world_size)]
     incoming: list[list[Piece]] = [[] for _ in range(world_size)]
@@ -151,7 +180,7 @@ def exchange_for(
         if piece.owner == rank:
             incoming[piece.holder].append(piece)
     first_rows = {
-        index: view_row_ranges(rows, leading.get(index, rows), world_size)[rank][0]
+        index: view_row_range(rows, leading.get(index, rows), world_size, rank)[0]
         for index, (rows, _) in shapes.items()
     }
     return RowExchange(rank, outgoing, incoming, first_rows, {index: cols for index, (_, cols) in shapes.items()})

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
-from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, plan_pieces, row_ranges
+from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, main_holder, plan_pieces, row_range
 from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, masked
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
@@ -104,7 +104,7 @@ class ShardedDistributor(ProcessGroupDistributor):
     def local_part(self, param: Tensor, value: Tensor) -> Tensor:
         if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.shape != param.shape:
             return _local(value)
-        start, end = row_ranges(param.shape[0], self.world_size)[self.rank]
+        start, end = row_range(param.shape[0], self.world_size, self.rank)
         return value[start:end]
 
     def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
@@ -117,15 +117,21 @@ class ShardedDistributor(ProcessGroupDistributor):
     def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
         check_row_sharded(params, None, self.world_size)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
+        shapes = {region.param_index: region.view.shape for region in regions}
+        leading = {index: int(params[index].shape[0]) for index in shapes}
         owners = self.assign_owners(
             keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
             shapes=[t.block_shape for t, _ in tiles],
             frequencies=[frequency for _, frequency in tiles],
+            preferred=[
+                main_holder(
+                    t.row_start, t.block_shape[0], shapes[t.param_index][0], leading[t.param_index], self.world_size
+                )
+                for t, _ in tiles
+            ],
         )
         rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, self.world_size)]
-        shapes = {region.param_index: region.view.shape for region in regions}
-        leading = {index: int(params[index].shape[0]) for index in shapes}
-        pieces = plan_pieces(rank_plans, shapes, self.world_size, leading)
+        pieces = plan_pieces(rank_plans, shapes, self.world_size, leading, rank=self.rank)
         self._rows = exchange_for(pieces, self.rank, self.world_size, shapes, leading)
         self._plans = rank_plans[self.rank]
         return self._plans

@@ -9,7 +9,7 @@ import torch
 
 from lightning_dash.distributed.assignment import lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.row_exchange import Piece, exchange_for, plan_pieces
+from lightning_dash.distributed.row_exchange import Piece, exchange_for, main_holder, plan_pieces
 from lightning_dash.optim.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
 
@@ -89,3 +89,17 @@ def test_pieces_equal_visiting_every_rank_and_each_rank_plans_only_its_own(world
             exchange_for(every, rank, world_size, shapes, leading),
         )
         assert mine == full
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16, 64])
+def test_the_main_holder_holds_the_most_rows_of_a_block(world_size):
+    for view_rows, leading in [(37, 37), (1, 1), (4096, 4096), (33, 3), (1000, 1000), (12, 4)]:
+        for top in range(0, view_rows, 7):
+            for height in (1, 5, 16, 300):
+                height = min(height, view_rows - top)
+                held = [
+                    max(0, min(top + height, end) - max(top, start))
+                    for start, end in (held_view_rows(view_rows, leading, world_size, r) for r in range(world_size))
+                ]
+                expected = held.index(max(held)) if max(held) > 0 else None
+                assert main_holder(top, height, view_rows, leading, world_size) == expected

@@ -76,8 +76,10 @@ def holders_of(top: int, height: int, view_rows: int, leading: int, world_size: 
 def main_holder(top: int, height: int, view_rows: int, leading: int, world_size: int) -> int | None:
     """The rank that holds most of rows ``[top, top + height)`` of the matrix view (the
     lowest of equals; None when no rank holds any): the owner that moves fewest rows."""
+    holders = holders_of(top, height, view_rows, leading, world_size)
     best, most = None, 0
-    for holder in holders_of(top, height, view_rows, leading, world_size):
+    # ranks strictly between the first and the last hold whole chunks, equal to the second's
+    for holder in sorted({*holders[:2], *holders[-1:]}):
         start, end = view_row_range(view_rows, leading, world_size, holder)
         held = min(top + height, end) - max(top, start)
         if held > most:

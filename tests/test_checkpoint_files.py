@@ -20,6 +20,7 @@ from lightning_dash.integration.checkpoint_files import (
     complete_checkpoint,
     publish,
     replaced_path,
+    staged_write,
     staging_path,
 )
 
@@ -130,3 +131,16 @@ def test_truncated_shard_metadata_is_refused_naming_it(tmp_path):
     metadata.write_bytes(metadata.read_bytes()[:10])
     with pytest.raises(IncompleteCheckpointError, match=r"\.metadata is truncated or corrupted"):
         check_complete(folder)
+
+
+def test_a_staged_write_that_raises_publishes_nothing_and_the_next_one_replaces_the_checkpoint(tmp_path):
+    path = save_folder(tmp_path / "last.ckpt", 4)
+    with pytest.raises(RuntimeError, match="crash"):
+        with staged_write(path, True, lambda: None) as staged:
+            save_folder(staged, 6)
+            raise RuntimeError("crash while writing")
+    assert step_of(path) == 4 and staging_path(path).exists()  # the old checkpoint, untouched
+    with staged_write(path, True, lambda: None) as staged:  # clears the leftover, then publishes
+        assert not staged.exists()
+        save_file(staged, 8)
+    assert step_of(path) == 8 and not staging_path(path).exists()

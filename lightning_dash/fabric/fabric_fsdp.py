@@ -33,12 +33,9 @@ from lightning_dash.fabric.optimizers import (
 )
 from lightning_dash.integration.checkpoint_files import (
     METADATA_FILE,
-    check_replaceable,
     complete_checkpoint,
     is_distributed_checkpoint,
-    publish,
-    remove,
-    staging_path,
+    staged_write,
 )
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
@@ -251,22 +248,15 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
             else:
                 converted, target = obj.state_dict() if isinstance(obj, _Stateful) else obj, metadata
             _apply_filter(key, filter or {}, converted, target)
-        check_replaceable(path)
-        staged = staging_path(path)  # written whole, then moved onto path: a crash leaves the old one
-        if self.global_rank == 0:
-            remove(staged)
-        self.barrier()
-        if distributed:
-            staged.mkdir(parents=True, exist_ok=True)
-            dcp.save(contents, checkpoint_id=staged)
-            if self.global_rank == 0:
-                torch.save(metadata, staged / METADATA_FILE)
-        elif self.global_rank == 0:
-            torch.save({**contents, **metadata}, staged)
-        self.barrier()
-        if self.global_rank == 0:
-            publish(staged, path)
-        self.barrier()
+        # written whole under a staging name, then moved onto path: a crash leaves the old one
+        with staged_write(path, self.global_rank == 0, self.barrier) as staged:
+            if distributed:
+                staged.mkdir(parents=True, exist_ok=True)
+                dcp.save(contents, checkpoint_id=staged)
+                if self.global_rank == 0:
+                    torch.save(metadata, staged / METADATA_FILE)
+            elif self.global_rank == 0:
+                torch.save({**contents, **metadata}, staged)
 
     @override
     def load_checkpoint(

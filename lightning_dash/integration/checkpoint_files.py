@@ -17,6 +17,8 @@ import os
 import shutil
 import warnings
 import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,23 @@ def publish(staged: Path, path: Path) -> None:
         os.rename(path, aside)
     os.rename(staged, path)
     remove(aside)
+
+
+@contextmanager
+def staged_write(path: Path, first_rank: bool, barrier: Callable[[], None]) -> Iterator[Path]:
+    """Collective: the path every rank writes its part of the checkpoint for ``path`` to.
+    The first rank clears what a crashed save left there before anyone writes, and moves the
+    result onto ``path`` once every rank has finished; if writing raises, nothing moves."""
+    check_replaceable(path)
+    staged = staging_path(path)
+    if first_rank:
+        remove(staged)
+    barrier()
+    yield staged
+    barrier()
+    if first_rank:
+        publish(staged, path)
+    barrier()
 
 
 def is_distributed_checkpoint(path: Path) -> bool:

@@ -27,12 +27,9 @@ from typing_extensions import override
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.integration.checkpoint_files import (
-    check_replaceable,
     complete_checkpoint,
     is_distributed_checkpoint,
-    publish,
-    remove,
-    staging_path,
+    staged_write,
 )
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
@@ -218,16 +215,8 @@ class DashFSDPStrategy(ModelParallelStrategy):
         ``filepath`` once every rank has finished: a crash while writing leaves the
         previous checkpoint as it was (:mod:`~lightning_dash.integration.checkpoint_files`)."""
         path = Path(self.broadcast(filepath))
-        check_replaceable(path)
-        staged = staging_path(path)
-        if self.global_rank == 0:
-            remove(staged)  # what a crashed save left
-        self.barrier()
-        super().save_checkpoint(checkpoint, staged, storage_options=storage_options)
-        self.barrier()
-        if self.global_rank == 0:
-            publish(staged, path)
-        self.barrier()
+        with staged_write(path, self.global_rank == 0, self.barrier) as staged:
+            super().save_checkpoint(checkpoint, staged, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -166,12 +166,14 @@ class ShardedPlan:
     elements_sent: list[int]
     largest_block_state_bytes: int
     #: Seconds for everything a single rank computes at its first step (owners, every
-    #: rank's stacks, the pieces it sends or receives, its exchange), and for every piece
+    #: rank's stacks, the pieces it sends or receives, its exchange and its row runs), and for every piece
     #: and the other ranks' exchanges.
     rank_setup_s: float
     all_exchanges_s: float
     #: Of all gradient elements of the blocks, the share held by a rank other than the block's owner.
     moved_fraction: float
+    #: Bytes rank 0 keeps to move its pieces: the start and length of every row run, both sides.
+    exchange_index_bytes: int
 
 
 def sharded_plan(
@@ -201,6 +203,7 @@ def sharded_plan(
     owners = lpt_assign(costs, world_size, preferred=preferred if prefer_holders else None)
     rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
     exchanges = [exchange_for(plan_pieces(rank_plans, shapes, world_size, rank=0), 0, world_size, shapes)]
+    runs = [exchanges[0].holder_runs(), exchanges[0].owner_runs(rank_plans[0])]
     setup = time.perf_counter() - start
     start = time.perf_counter()
     pieces = plan_pieces(rank_plans, shapes, world_size)
@@ -228,6 +231,7 @@ def sharded_plan(
         rank_setup_s=setup,
         all_exchanges_s=others,
         moved_fraction=sum(p.numel for p in pieces if p.holder != p.owner) / sum(p.numel for p in pieces),
+        exchange_index_bytes=sum(r.offsets.nbytes + r.jumps.nbytes for r in runs),
     )
 
 
@@ -271,6 +275,7 @@ def estimate(config: Qwen3Config, world_size: int, block_size: int) -> dict:
         "fsdp_root_once_bytes_per_step": fsdp_bytes_per_step(shapes, world_size, 2, 4, gathered_once=root),
         "rank_setup_s": plan.rank_setup_s,
         "all_exchanges_s": plan.all_exchanges_s,
+        "exchange_index_bytes_rank0": plan.exchange_index_bytes,
     }
 
 
@@ -289,6 +294,7 @@ def format_table(records: list[dict]) -> str:
         "FSDP2 sent GiB/step",
         "DASH/FSDP2 sent",
         "setup s",
+        "index MiB",
         "rows moved (plain LPT)",
     ]
     rows = [
@@ -303,6 +309,7 @@ def format_table(records: list[dict]) -> str:
             f"{r['fsdp_bytes_per_step'] / GIB:.3f}",
             f"{100 * r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}%",
             f"{r['rank_setup_s']:.2f}",
+            f"{r['exchange_index_bytes_rank0'] / 2**20:.1f}",
             f"{100 * r['moved_fraction']:.1f}% ({100 * r['moved_fraction_plain_lpt']:.1f}%)",
         ]
         for r in records

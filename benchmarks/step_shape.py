@@ -8,8 +8,11 @@ that grow with the number of layers make the host the bottleneck of a deep model
 GPT-2-style parameter shapes of width 64 (fused QKV, 4x MLP, biases, LayerNorms), 6 and
 24 layers, block size 1024, Adam grafting. For each inverse-root solver: a step that
 recomputes the roots and one that does not (the second and third step; the first builds
-the stacks). Meta's Distributed Shampoo (when installed, see ``benchmarks/_meta_shampoo.py``)
-with the same blocks, grafting and eigh roots, for comparison.
+the stacks). The same step on FSDP2 row shards (``ShardedDistributor``, two gloo processes
+on this machine, the parameters ``fully_shard``-ed as one unit, the ``auto`` solver): the
+gradient and update rows that cross ranks included. Meta's Distributed Shampoo (when
+installed, see ``benchmarks/_meta_shampoo.py``) with the same blocks, grafting and eigh
+roots, for comparison.
 
 Run from the repository root (about a minute)::
 
@@ -19,11 +22,19 @@ Run from the repository root (about a minute)::
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,6 +43,7 @@ from common import RESULTS_DIR, format_columns, write_json
 from step_time import GPTShape, gpt_parameter_shapes, make_parameters, set_gradients
 
 from lightning_dash import DASH
+from lightning_dash.distributed import ShardedDistributor
 from lightning_dash.optim.op_counts import OpCounts, count_ops
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
 
@@ -92,6 +104,44 @@ def dash_records(layers: int) -> list[Record]:
     return records
 
 
+def _fsdp2_rank(rank: int, world_size: int, layers: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    params, grads = parameters(layers)
+    holder = torch.nn.Module()
+    holder.params = torch.nn.ParameterList(params)
+    fully_shard(holder)
+    sharded = list(holder.parameters())
+    optimizer = DASH(
+        sharded,
+        lr=1e-3,
+        block_size=BLOCK_SIZE,
+        precondition_frequency=2,
+        epsilon=1e-4,
+        distributor=ShardedDistributor(),
+    )
+    counts = []
+    for _ in range(3):
+        for param, grad in zip(sharded, grads):
+            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)
+        counts.append(count_ops(optimizer.step)[1])
+    name = f"dash_fsdp2_{world_size}_ranks"
+    records = [record(name, "auto", layers, True, counts[2]), record(name, "auto", layers, False, counts[1])]
+    if rank == 0:
+        Path(folder, "records.json").write_text(json.dumps([asdict(r) for r in records]))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # past gloo's teardown race (lightning_dash.distributed.gloo_exit)
+
+
+def fsdp2_records(layers: int, world_size: int = 2) -> list[Record]:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_fsdp2_rank, args=(world_size, layers, folder), nprocs=world_size)
+        return [Record(**r) for r in json.loads(Path(folder, "records.json").read_text())]
+
+
 def meta_records(layers: int) -> list[Record]:
     params, grads = parameters(layers)
     optimizer = _meta_shampoo.build_meta_shampoo(
@@ -116,6 +166,7 @@ def main() -> None:
     records: list[Record] = []
     for layers in args.layers:
         records += dash_records(layers)
+        records += fsdp2_records(layers)
         if _meta_shampoo.available():
             records += meta_records(layers)
     rows = [

@@ -4,12 +4,14 @@ FSDP2 cuts dim 0), on matrices, expert stacks and dimensions smaller than the wo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from lightning_dash.distributed.assignment import lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.row_exchange import Piece, exchange_for, main_holder, plan_pieces
+from lightning_dash.distributed.row_exchange import Piece, Runs, exchange_for, main_holder, plan_pieces
 from lightning_dash.optim.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
 
@@ -103,3 +105,88 @@ def test_the_main_holder_holds_the_most_rows_of_a_block(world_size):
                 ]
                 expected = held.index(max(held)) if max(held) > 0 else None
                 assert main_holder(top, height, view_rows, leading, world_size) == expected
+
+
+def simulated_exchange(world_size: int, block_size: int):
+    """Every rank's side of both exchanges run in one process, the ``all_to_all`` done by
+    hand: gradients of known full matrices to the owners' stacks, then random updates
+    back to the holders' row shards. Returns what each side ended with and the inputs."""
+    rank_plans, shapes, leading = plans_and_views(world_size, block_size)
+    generator = torch.Generator().manual_seed(world_size * 100 + block_size)
+    full = {index: torch.randn(shape, generator=generator, dtype=torch.float64) for index, shape in enumerate(SHAPES)}
+    sides = [
+        exchange_for(plan_pieces(rank_plans, shapes, world_size, leading, rank=rank), rank, world_size, shapes, leading)
+        for rank in range(world_size)
+    ]
+    # what each rank holds, laid end to end in parameter order (torch.chunk: how FSDP2 cuts dim 0)
+    held = []
+    for rank in range(world_size):
+        shards = [t.chunk(world_size)[rank] if rank < len(t.chunk(world_size)) else t[:0] for t in full.values()]
+        held.append(torch.cat([shard.reshape(-1) for shard in shards]))
+    sent = [held[rank][sides[rank].holder_runs().positions()] for rank in range(world_size)]
+    parts = [list(sent[rank].split(sides[rank].outgoing_sizes)) for rank in range(world_size)]
+    stacks = []
+    for owner in range(world_size):
+        received = torch.cat([parts[holder][owner] for holder in range(world_size)])
+        runs = sides[owner].owner_runs(rank_plans[owner])
+        flat = torch.full((runs.total,), math.nan, dtype=torch.float64)
+        flat[runs.positions()] = received
+        stacks.append(flat)
+    updates = [torch.randn(flat.shape, generator=generator, dtype=torch.float64) for flat in stacks]
+    back = [updates[owner][sides[owner].owner_runs(rank_plans[owner]).positions()] for owner in range(world_size)]
+    back_parts = [list(back[owner].split(sides[owner].incoming_sizes)) for owner in range(world_size)]
+    applied = []
+    for holder in range(world_size):
+        received = torch.cat([back_parts[owner][holder] for owner in range(world_size)])
+        flat = torch.full_like(held[holder], math.nan)
+        flat[sides[holder].holder_runs().positions()] = received
+        applied.append(flat)
+    return rank_plans, full, stacks, updates, applied
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("block_size", [4, 8, 1024])
+def test_the_runs_carry_every_block_to_its_owner_and_every_update_back(world_size, block_size):
+    rank_plans, full, stacks, updates, applied = simulated_exchange(world_size, block_size)
+    expected_back = {index: torch.full_like(t.reshape(matrix_shape(t.shape)), math.nan) for index, t in full.items()}
+    for owner, plans in enumerate(rank_plans):
+        offset = 0
+        for plan in plans:
+            rows, cols = plan.block_shape
+            stack = stacks[owner][offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
+            update = updates[owner][offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
+            for region in plan.regions:
+                matrix = full[region.param_index].reshape(matrix_shape(full[region.param_index].shape))
+                for position, tile in enumerate(region.single_tiles(), start=region.stack_offset):
+                    window = (
+                        slice(tile.row_start, tile.row_start + rows),
+                        slice(tile.col_start, tile.col_start + cols),
+                    )
+                    assert torch.equal(stack[position], matrix[window])
+                    expected_back[region.param_index][window] = update[position]
+            offset += plan.num_blocks * rows * cols
+        assert offset == stacks[owner].numel()  # the blocks fill the stacks (a NaN left unwritten fails above)
+    # each holder's shards, end to end, got exactly the update rows of the blocks they belong to
+    for index, expected in expected_back.items():
+        shards = []
+        for holder in range(world_size):
+            position = sum(
+                t.chunk(world_size)[holder].numel() if holder < len(t.chunk(world_size)) else 0
+                for i, t in full.items()
+                if i < index
+            )
+            chunks = full[index].chunk(world_size)
+            numel = chunks[holder].numel() if holder < len(chunks) else 0
+            shards.append(applied[holder][position : position + numel])
+        assert torch.equal(torch.cat(shards).view(expected.shape), expected)
+
+
+@pytest.mark.parametrize("runs", [0, 1, 2, 50])
+def test_runs_expand_to_the_positions_they_list(runs):
+    generator = torch.Generator().manual_seed(runs)
+    starts = torch.randint(0, 10_000, (runs,), generator=generator)
+    lengths = torch.randint(0, 40, (runs,), generator=generator)  # empty runs included
+    expected = [start + i for start, length in zip(starts.tolist(), lengths.tolist()) for i in range(length)]
+    expanded = Runs.of(starts, lengths)
+    assert expanded.total == len(expected)
+    assert expanded.positions().tolist() == expected

@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor
+from lightning_dash.optim.op_counts import count_ops
 
 OPTIONS = dict(lr=0.05, block_size=8, precondition_frequency=2, start_preconditioning_step=2, weight_decay=0.01)
 BATCH = 12  # divisible by 1..4 ranks: the mean of the ranks' means is the global mean
@@ -174,3 +175,37 @@ def check_plain_parameters_are_refused(rank: int, world_size: int) -> None:
 
 def test_parameters_fsdp2_does_not_shard_are_named_in_an_error(tmp_path):
     spawn(check_plain_parameters_are_refused, 2, tmp_path)
+
+
+def check_launches_and_host_reads(rank: int, world_size: int) -> None:
+    """The optimizer step on FSDP2 shards, counted with ``op_counts`` on every rank: no host
+    synchronisation, and as many launches at 24 layers as at 6 (refresh steps and others)."""
+    from test_step_shape import gpt_params
+
+    def counts(layers: int) -> list:
+        named = gpt_params(layers)
+        holder = nn.Module()
+        holder.params = nn.ParameterList([param for _, param in named])
+        fully_shard(holder)
+        params = list(holder.parameters())
+        optimizer = DASH(
+            params, lr=1e-3, block_size=32, precondition_frequency=2, distributor=ShardedDistributor(), epsilon=1e-4
+        )
+        measured = []
+        for step in range(1, 4):  # step 1 plans; step 2 refreshes the roots, step 3 does not
+            generator = torch.Generator().manual_seed(step)
+            for param in params:
+                full = 1e-3 * torch.randn(param.shape, generator=generator, dtype=param.dtype)
+                param.grad = distribute_tensor(full, param.device_mesh, param.placements)
+            _, step_counts = count_ops(optimizer.step)
+            measured.append(step_counts)
+        return measured[1:]
+
+    shallow, deep = counts(6), counts(24)
+    for few, many in zip(shallow, deep):
+        assert few.sync_count == 0 and many.sync_count == 0, (dict(few.syncs), dict(many.syncs))
+        assert many.launch_count <= 1.1 * few.launch_count, (few.launch_count, many.launch_count)
+
+
+def test_sharded_step_launches_do_not_grow_with_depth_nor_wait_for_the_device(tmp_path):
+    spawn(check_launches_and_host_reads, 2, tmp_path)

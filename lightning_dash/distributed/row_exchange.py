@@ -7,12 +7,21 @@ part of one block that one rank holds. Every rank derives the same list of piece
 from the parameter shapes and the ownership plan (the blocks are a single process's,
 whatever the world size), so gradient pieces go to owners and update pieces come back
 in one ``all_to_all`` each, in an order both sides agree on without any metadata.
+
+Each side moves its pieces with one gather or scatter over one flat tensor: a holder
+over its row shards of every blocked parameter, end to end (:attr:`RowExchange.held`),
+an owner over its stacks, end to end. Every row of a piece is a run of consecutive
+elements on both sides, so a side's whole part is a list of runs (:class:`Runs`), kept
+per layout (two integers a run); the element positions are expanded from it for one
+exchange and freed, rather than kept (8 bytes an element).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import torch
 from torch import Tensor
 
 from lightning_dash.optim.blocks import StackPlan
@@ -129,31 +138,120 @@ def plan_pieces(
     return pieces
 
 
+@dataclass(frozen=True)
+class Runs:
+    """Where the elements of an exchanged buffer sit in a flat tensor, as runs of
+    consecutive elements: the buffer is run 0, then run 1, ...; run ``k`` is ``lengths[k]``
+    elements of the flat tensor from ``starts[k]`` (see :meth:`of`).
+
+    Kept as each run's offset in the buffer and its *jump*: how far its first position
+    lies past the position before it in the buffer (the first run: its start). Positions
+    are then a running sum of ones and jumps: one fill, one small scatter and one scan,
+    with no host synchronisation.
+    """
+
+    offsets: Tensor
+    jumps: Tensor
+    total: int
+
+    @classmethod
+    def of(cls, starts: Tensor, lengths: Tensor) -> Runs:
+        nonempty = lengths > 0
+        starts, lengths = starts[nonempty], lengths[nonempty]
+        last = starts + lengths - 1
+        before = torch.cat([last.new_zeros(1), last[:-1]])
+        return cls(torch.cumsum(lengths, 0) - lengths, starts - before, int(lengths.sum()))
+
+    def to(self, device: torch.device) -> Runs:
+        return Runs(self.offsets.to(device), self.jumps.to(device), self.total)
+
+    def positions(self) -> Tensor:
+        """The flat position of every element of the buffer, in buffer order."""
+        steps = torch.ones(self.total, dtype=torch.int64, device=self.offsets.device)
+        return steps.index_copy_(0, self.offsets, self.jumps).cumsum_(0)
+
+
+def _runs_of_rectangles(bases: list[int], heights: list[int], steps: list[int], widths: list[int]) -> Runs:
+    """The runs of rectangles laid end to end in a buffer: rectangle ``i`` is
+    ``heights[i]`` rows of ``widths[i]`` elements, row ``j`` starting at
+    ``bases[i] + j * steps[i]`` of the flat tensor."""
+    heights_t = torch.tensor(heights, dtype=torch.int64)
+    rectangle = torch.repeat_interleave(torch.arange(len(heights)), heights_t)
+    first_row = torch.cumsum(heights_t, 0) - heights_t
+    row = torch.arange(len(rectangle)) - first_row[rectangle]
+    starts = torch.tensor(bases, dtype=torch.int64)[rectangle] + row * torch.tensor(steps, dtype=torch.int64)[rectangle]
+    return Runs.of(starts, torch.tensor(widths, dtype=torch.int64)[rectangle])
+
+
 @dataclass
 class RowExchange:
     """One rank's side of the exchange.
 
     ``outgoing[r]``: the pieces this rank holds of rank ``r``'s blocks (gradients go
     out in this order, updates come back in it); ``incoming[r]``: the pieces of this
-    rank's blocks that rank ``r`` holds; ``first_rows``: this rank's first row of each
-    parameter's matrix view, ``columns`` the view's columns.
+    rank's blocks that rank ``r`` holds; ``held_rows``: the rows of each parameter's
+    matrix view this rank holds, ``columns`` the view's columns.
     """
 
     rank: int
     outgoing: list[list[Piece]]
     incoming: list[list[Piece]]
-    first_rows: dict[int, int]
+    held_rows: dict[int, tuple[int, int]]
     columns: dict[int, int] = field(default_factory=dict)
 
-    def local_matrix(self, param_index: int, local: Tensor) -> Tensor:
-        """This rank's shard of parameter ``param_index`` as rows of its matrix view."""
-        return local.view(-1, self.columns[param_index])
+    @cached_property
+    def held(self) -> dict[int, tuple[int, int]]:
+        """Where each parameter's row shard sits in this rank's flat holder tensor
+        (its shards end to end in parameter order): parameter index -> (offset, numel)."""
+        placed, offset = {}, 0
+        for index in sorted(self.held_rows):
+            start, end = self.held_rows[index]
+            numel = (end - start) * self.columns[index]
+            placed[index] = (offset, numel)
+            offset += numel
+        return placed
 
-    @property
+    def holder_runs(self) -> Runs:
+        """The outgoing buffer's elements in the flat holder tensor (see :attr:`held`)."""
+        held = self.held
+        pieces = [piece for pieces in self.outgoing for piece in pieces]
+        return _runs_of_rectangles(
+            [
+                held[p.param_index][0]
+                + (p.rows[0] - self.held_rows[p.param_index][0]) * self.columns[p.param_index]
+                + p.cols[0]
+                for p in pieces
+            ],
+            [p.height for p in pieces],
+            [self.columns[p.param_index] for p in pieces],
+            [p.width for p in pieces],
+        )
+
+    def owner_runs(self, plans: list[StackPlan]) -> Runs:
+        """The incoming buffer's elements in this rank's stacks (``plans``), end to end."""
+        stack_offsets, offset = [], 0
+        for plan in plans:
+            stack_offsets.append(offset)
+            offset += plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
+        pieces = [piece for pieces in self.incoming for piece in pieces]
+        block_numel = [plans[p.stack].block_shape[0] * p.width for p in pieces]
+        return _runs_of_rectangles(
+            [stack_offsets[p.stack] + p.block * size + p.block_row * p.width for p, size in zip(pieces, block_numel)],
+            [p.height for p in pieces],
+            [p.width for p in pieces],
+            [p.width for p in pieces],
+        )
+
+    @cached_property
+    def held_numel(self) -> int:
+        """Elements of this rank's flat holder tensor."""
+        return sum(numel for _, numel in self.held.values())
+
+    @cached_property
     def outgoing_sizes(self) -> list[int]:
         return [sum(piece.numel for piece in pieces) for pieces in self.outgoing]
 
-    @property
+    @cached_property
     def incoming_sizes(self) -> list[int]:
         return [sum(piece.numel for piece in pieces) for pieces in self.incoming]
 
@@ -181,8 +279,7 @@ def exchange_for(
             outgoing[piece.owner].append(piece)
         if piece.owner == rank:
             incoming[piece.holder].append(piece)
-    first_rows = {
-        index: view_row_range(rows, leading.get(index, rows), world_size, rank)[0]
-        for index, (rows, _) in shapes.items()
+    held_rows = {
+        index: view_row_range(rows, leading.get(index, rows), world_size, rank) for index, (rows, _) in shapes.items()
     }
-    return RowExchange(rank, outgoing, incoming, first_rows, {index: cols for index, (_, cols) in shapes.items()})
+    return RowExchange(rank, outgoing, incoming, held_rows, {index: cols for index, (_, cols) in shapes.items()})

@@ -21,7 +21,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
-from lightning_dash.distributed.row_exchange import RowExchange, exchange_for, main_holder, plan_pieces, row_range
+from lightning_dash.distributed.row_exchange import (
+    RowExchange,
+    Runs,
+    exchange_for,
+    main_holder,
+    plan_pieces,
+    row_range,
+)
 from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, masked
 from lightning_dash.optim.layout import stacks_by_placement, state_dtype
@@ -50,28 +57,41 @@ def check_row_sharded(params: list[Tensor], names: list[str] | None, world_size:
             )
 
 
+def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``tensors`` flattened and laid end to end in ``dtype``, zeros where one is None
+    (``sizes``: their numbers of elements); one ``cat``, however many tensors."""
+    missing = max((size for tensor, size in zip(tensors, sizes) if tensor is None), default=0)
+    zeros = torch.zeros(missing, dtype=dtype, device=device) if missing else None
+    parts = [zeros[:size] if tensor is None else tensor.reshape(-1) for tensor, size in zip(tensors, sizes)]
+    return torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+
 class _RowUpdates:
     """The update rows this rank holds, received from the blocks' owners."""
 
-    def __init__(self, exchange: RowExchange, received: Tensor) -> None:
+    def __init__(self, exchange: RowExchange, positions: Tensor, received: Tensor) -> None:
         self.exchange = exchange
+        self.positions = positions
         self.received = received
 
     def tensors(self) -> list[Tensor]:
         return [self.received]
 
     def apply(self, params: list[Tensor], skip: Tensor) -> None:
+        """Scatter the received rows into this rank's shards end to end, then add them to
+        the parameters with one ``_foreach_add_`` per parameter dtype."""
         received = masked(self.received, skip)
-        offset = 0
-        for pieces in self.exchange.outgoing:
-            for piece in pieces:
-                local = _local(params[piece.param_index])
-                first = self.exchange.first_rows[piece.param_index]
-                matrix = self.exchange.local_matrix(piece.param_index, local)
-                rows = slice(piece.rows[0] - first, piece.rows[1] - first)
-                update = received[offset : offset + piece.numel].view(piece.height, piece.width)
-                matrix[rows, piece.cols[0] : piece.cols[1]].add_(update.to(local.dtype))
-                offset += piece.numel
+        held = self.exchange.held
+        flat = received.new_zeros(self.exchange.held_numel).index_copy_(0, self.positions, received)
+        by_dtype: dict[torch.dtype, tuple[list[Tensor], list[tuple[int, int]]]] = {}
+        for index, span in held.items():
+            local = _local(params[index])
+            targets, spans = by_dtype.setdefault(local.dtype, ([], []))
+            targets.append(local.view(-1))
+            spans.append(span)
+        for dtype, (targets, spans) in by_dtype.items():
+            cast = flat.to(dtype)
+            torch._foreach_add_(targets, [cast[offset : offset + numel] for offset, numel in spans])
 
 
 class ShardedDistributor(ProcessGroupDistributor):
@@ -96,6 +116,8 @@ class ShardedDistributor(ProcessGroupDistributor):
         super().__init__(process_group, communication_dtype, root_iterations)
         self._rows: RowExchange | None = None
         self._plans: list[StackPlan] = []
+        self._holder_runs: Runs | None = None
+        self._owner_runs: Runs | None = None
 
     # ------------------------------------------------------------------ placement
     def local(self, tensor: Tensor) -> Tensor:
@@ -134,6 +156,8 @@ class ShardedDistributor(ProcessGroupDistributor):
         pieces = plan_pieces(rank_plans, shapes, self.world_size, leading, rank=self.rank)
         self._rows = exchange_for(pieces, self.rank, self.world_size, shapes, leading)
         self._plans = rank_plans[self.rank]
+        self._holder_runs = self._rows.holder_runs().to(self._device())
+        self._owner_runs = self._rows.owner_runs(self._plans).to(self._device())
         return self._plans
 
     @property
@@ -149,43 +173,27 @@ class ShardedDistributor(ProcessGroupDistributor):
         return received
 
     def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
-        """Send the gradient rows this rank holds to the blocks' owners; receive its blocks'."""
+        """Send the gradient rows this rank holds to the blocks' owners; receive its blocks'.
+        One gather before the ``all_to_all`` and one scatter after it, whatever the model."""
         rows = self._rows
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         device = self._device()
-        send = torch.zeros(sum(rows.outgoing_sizes), dtype=dtype, device=device)
-        offset = 0
-        for pieces in rows.outgoing:
-            for piece in pieces:
-                grad = params[piece.param_index].grad
-                if grad is not None:
-                    local = _local(grad)
-                    first = rows.first_rows[piece.param_index]
-                    part = rows.local_matrix(piece.param_index, local)[piece.rows[0] - first : piece.rows[1] - first]
-                    send[offset : offset + piece.numel].view(piece.height, piece.width).copy_(
-                        part[:, piece.cols[0] : piece.cols[1]]
-                    )
-                offset += piece.numel
+        grads = [None if params[index].grad is None else _local(params[index].grad) for index in rows.held]
+        held = _end_to_end(grads, [numel for _, numel in rows.held.values()], dtype, device)
+        send = held.index_select(0, self._holder_runs.positions())
         received = self._all_to_all(send, rows.outgoing_sizes, rows.incoming_sizes)
-        stacks = [
-            torch.empty(
-                plan.num_blocks,
-                *plan.block_shape,
-                dtype=state_dtype(params[plan.regions[0].param_index]),
-                device=device,
-            )
-            for plan in plans
-        ]
-        offset = 0
-        for pieces in rows.incoming:
-            for piece in pieces:
-                target = stacks[piece.stack][piece.block, piece.block_row : piece.block_row + piece.height]
-                target.copy_(received[offset : offset + piece.numel].view(piece.height, piece.width))
-                offset += piece.numel
+        flat = received.new_empty(self._owner_runs.total).index_copy_(0, self._owner_runs.positions(), received)
+        stacks, offset = [], 0
+        for plan in plans:
+            numel = plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
+            stack = flat[offset : offset + numel].view(plan.num_blocks, *plan.block_shape)
+            stacks.append(stack.to(state_dtype(params[plan.regions[0].param_index])))
+            offset += numel
         return stacks
 
     def share_updates(self, updates: list[BlockUpdate]) -> _RowUpdates:
-        """Send each block's update rows to the ranks that hold them; receive this rank's."""
+        """Send each block's update rows to the ranks that hold them; receive this rank's.
+        One gather before the ``all_to_all``; :meth:`_RowUpdates.apply` scatters after it."""
         rows = self._rows
         device = self._device()
         full: dict[int, Tensor] = {}
@@ -197,15 +205,11 @@ class ShardedDistributor(ProcessGroupDistributor):
                 stack = torch.zeros(shape, dtype=item.update.dtype, device=device)
                 full[item.stack] = stack.index_copy_(0, item.index, item.update)
         widest = torch.float64 if any(item.update.dtype == torch.float64 for item in updates) else torch.float32
-        send = torch.zeros(sum(rows.incoming_sizes), dtype=wire_dtype(self.communication_dtype, widest), device=device)
-        offset = 0
-        for pieces in rows.incoming:
-            for piece in pieces:
-                if piece.stack in full:
-                    block = full[piece.stack][piece.block, piece.block_row : piece.block_row + piece.height]
-                    send[offset : offset + piece.numel].view(piece.height, piece.width).copy_(block)
-                offset += piece.numel
-        return _RowUpdates(rows, self._all_to_all(send, rows.incoming_sizes, rows.outgoing_sizes))
+        sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in self._plans]
+        stacks = _end_to_end([full.get(stack) for stack in range(len(self._plans))], sizes, widest, device)
+        send = stacks.index_select(0, self._owner_runs.positions()).to(wire_dtype(self.communication_dtype, widest))
+        received = self._all_to_all(send, rows.incoming_sizes, rows.outgoing_sizes)
+        return _RowUpdates(rows, self._holder_runs.positions(), received)
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)

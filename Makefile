@@ -12,7 +12,7 @@ CPY := $(COMPOSER_VENV)/bin/python
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo demo-quick docs test test-lightning test-composer lint bench bench-step bench-peers bench-families clean
+.PHONY: demo demo-quick docs package test test-lightning test-composer lint bench bench-step bench-peers bench-families clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,16 @@ test-composer: $(COMPOSER_VENV)/.installed
 # The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# A wheel and an sdist into dist/, the wheel installed into a new environment that has torch alone, and
+# DASH imported and stepped from it: packaging cannot break unnoticed (CI runs this).
+WHEEL_VENV ?= .venv-wheel
+package: $(VENV)/.installed
+	rm -rf dist $(WHEEL_VENV)
+	$(PY) -m build --quiet --outdir dist . > /dev/null
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" dist/*.whl
+	cd dist && ../$(WHEEL_VENV)/bin/python ../tests/wheel_smoke.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

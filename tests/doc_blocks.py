@@ -131,7 +131,8 @@ def check_command(command: str) -> str:
     """Check that a documented shell command can work as written; returns what was checked.
 
     - ``make T [VAR=...]``: ``T`` is a target of the Makefile (``make -n T`` succeeds).
-    - ``pip install "lightning-dash[extra]"``: the package and each extra exist.
+    - ``pip install ".[extra]"``: installs this clone, and each extra exists (the package is
+      not published, so ``pip install lightning-dash`` fails).
     - ``[ENV=...] <python> script.py --flag ...`` (any interpreter, or ``composer -n N``): the
       script is in the repository and every ``--flag`` is one of its options.
     Anything else fails, so that a new kind of command gets a check before it is documented.
@@ -144,13 +145,15 @@ def check_command(command: str) -> str:
         return "; ".join(_check_make(target) for target in targets)
     if words[:2] == ["pip", "install"]:
         for requirement in words[2:]:
-            match = re.fullmatch(r"lightning-dash(?:\[(?P<extras>[\w,-]+)\])?", requirement)
+            if requirement.startswith("lightning-dash"):
+                raise AssertionError(f"lightning-dash is not on PyPI: {requirement}; install the clone (pip install .)")
+            match = re.fullmatch(r"\.(?:\[(?P<extras>[\w,-]+)\])?", requirement)
             if match is None:
-                raise AssertionError(f"pip installs something other than lightning-dash: {requirement}")
+                raise AssertionError(f"pip installs something other than this clone: {requirement}")
             unknown = set((match.group("extras") or "").split(",")) - _extras() - {""}
             if unknown:
                 raise AssertionError(f"no such extra: {sorted(unknown)}")
-        return "the package and its extras exist"
+        return "the clone and its extras exist"
     if words[0].endswith("python") or words[0] == "composer":
         return _check_script(words)
     raise AssertionError(f"no check for this kind of command: {command!r}")

@@ -56,7 +56,10 @@ def test_command_checks_can_fail():
     with pytest.raises(AssertionError, match="make"):
         check_command("make no-such-target")
     with pytest.raises(AssertionError, match="extra"):
-        check_command('pip install "lightning-dash[no_such_extra]"')
+        check_command('pip install ".[no_such_extra]"')
+    with pytest.raises(AssertionError, match="not on PyPI"):
+        check_command('pip install "lightning-dash[lightning]"')
+    assert check_command('pip install ".[lightning,composer]"')
     with pytest.raises(AssertionError, match="--no-such-flag"):
         check_command(".venv/bin/python examples/train_char_gpt.py --no-such-flag 3")
     with pytest.raises(AssertionError, match="no such script"):

@@ -1,5 +1,7 @@
 """Run by ``make package`` with the installed wheel, outside the source tree: the package
-imports with torch alone and DASH takes steps that lower a least-squares loss."""
+imports with torch alone, without the distributed machinery it does not need
+(``torch.distributed.tensor``, imported only when FSDP2 is used), and DASH takes steps that
+lower a least-squares loss."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ if Path(lightning_dash.__file__).resolve().parent == source_tree:
     sys.exit(f"imported the source tree ({lightning_dash.__file__}), not the installed wheel")
 if importlib.util.find_spec("lightning") is not None:
     sys.exit("the wheel's environment should hold torch alone, but lightning is installed")
+if "torch.distributed.tensor" in sys.modules:
+    sys.exit("from lightning_dash import DASH imported torch.distributed.tensor; only FSDP2 code needs it")
 
 torch.manual_seed(0)
 inputs, weights = torch.randn(64, 8), torch.randn(8, 3)

@@ -1,4 +1,10 @@
-"""Ownership and communication shared by the Lightning and Composer integrations."""
+"""Ownership and communication shared by the Lightning and Composer integrations.
+
+:class:`ShardedDistributor` is imported on first use: it needs ``torch.distributed.tensor``
+(about 0.6 s to import), which plain ``from lightning_dash import DASH`` does not.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from lightning_dash.distributed.assignment import (
     OwnershipPlan,
@@ -12,7 +18,9 @@ from lightning_dash.distributed.assignment import (
 from lightning_dash.distributed.demo_optimizer import DeMo
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, shard_across_ranks
-from lightning_dash.distributed.sharded import ShardedDistributor
+
+if TYPE_CHECKING:
+    from lightning_dash.distributed.sharded import ShardedDistributor
 
 __all__ = [
     "DeMo",
@@ -28,3 +36,11 @@ __all__ = [
     "round_robin_parameters",
     "shard_across_ranks",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardedDistributor":
+        from lightning_dash.distributed.sharded import ShardedDistributor
+
+        return ShardedDistributor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

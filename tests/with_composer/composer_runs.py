@@ -170,14 +170,21 @@ def named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def reference_parameters(kind: str, batches: int) -> dict[str, torch.Tensor]:
+def reference_parameters(
+    kind: str, batches: int, options: dict[str, Any] | None = None, attach_model: bool = False
+) -> dict[str, torch.Tensor]:
     """DASH without Composer: the same initial model, converted from the same
-    ``DecoupledAdamW``, stepped on each global batch with the closed-form schedule."""
+    ``DecoupledAdamW`` (with ``options``, default :data:`DASH_OPTIONS`; told the model, as the
+    algorithm tells it, with ``attach_model``), stepped on each global batch with the
+    closed-form schedule."""
     model = build_model(kind)
     data = windows(kind)
     optimizer = DASH.from_optimizer(
-        DecoupledAdamW(model.parameters(), lr=BASE_LR, betas=(0.9, 0.99), weight_decay=1e-4), **DASH_OPTIONS
+        DecoupledAdamW(model.parameters(), lr=BASE_LR, betas=(0.9, 0.99), weight_decay=1e-4),
+        **(DASH_OPTIONS if options is None else options),
     )
+    if attach_model:
+        optimizer.attach_model(model)
     loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False, collate_fn=collate(kind))
     for step, batch in zip(range(batches), loader):
         for group in optimizer.param_groups:

@@ -49,6 +49,17 @@ def test_dash_trains_with_the_composer_schedule(kind: str) -> None:
     trainer.close()
 
 
+def test_the_algorithm_at_its_defaults_steps_as_dash_from_the_same_optimizer() -> None:
+    """One lr meaning: ``Dash()`` with no options takes the steps of ``DASH.from_optimizer`` on the
+    same ``DecoupledAdamW`` (which the Lightning lane's tests/test_lr_rule.py ties to plain ``DASH``
+    at the same lr, and to the Lightning and Fabric strategies)."""
+    trainer = make_trainer("gpt", "6ba", algorithm_options={})
+    trainer.fit()
+    expected = reference_parameters("gpt", 6, options={}, attach_model=True)
+    assert_matches_reference(named_parameters(trainer.state.model), expected, rtol=1e-5, atol=1e-6)
+    trainer.close()
+
+
 def test_resume_from_a_composer_checkpoint_continues_exactly(tmp_path: Path) -> None:
     uninterrupted = make_trainer("gpt", "8ba", save_folder=tmp_path / "full")
     uninterrupted.fit()

@@ -15,8 +15,8 @@ Output (under ``--out``, default ``runs/``): one ``CSVLogger`` directory per run
 (validation loss against step and against wall time) and ``train_char_gpt.json``
 (the table printed at the end).
 
-``--quick`` runs the same comparison at a smaller size (:data:`QUICK`, under a minute on 2
-CPU cores) and writes ``train_char_gpt_quick.png`` / ``.json`` and its logs under
+``--quick`` runs the same comparison at a smaller size (:data:`QUICK`; run times of both modes:
+docs/getting-started.md, "How long things take") and writes ``train_char_gpt_quick.png`` / ``.json`` and its logs under
 ``quick/``, so it never overwrites the full run's files; any flag given with ``--quick`` wins.
 
 Reproducibility: on one machine with the same thread count, runs are bit-identical (two runs
@@ -38,8 +38,8 @@ swept at the default settings with the same schedule (final validation loss 1.90
 (``benchmarks/peers.py`` measured DASH's best lr at 8x AdamW's on this model with version 0.4's
 numerics; ``--lr-dash`` or ``DashStrategy(lr_scale=...)`` try a larger one).
 
-    .venv/bin/python examples/train_char_gpt.py                      # about 4 minutes on 2 CPU cores
-    .venv/bin/python examples/train_char_gpt.py --quick              # under a minute
+    .venv/bin/python examples/train_char_gpt.py                      # the full comparison
+    .venv/bin/python examples/train_char_gpt.py --quick              # a smaller one
     .venv/bin/python examples/train_char_gpt.py --accelerator gpu --devices 2 --width 256 --depth 6
 """
 
@@ -68,7 +68,6 @@ DEFAULT_LR = {"adamw": 6e-3, "dash": 6e-3}
 
 #: ``--quick``: the defaults it changes (a flag given on the command line wins). The same model, batch
 #: and schedule shape; 150 steps instead of 800, validation on 256 windows every 25 steps, 1 MB of source.
-#: Under a minute in all on 2 CPU cores (two runs measured: 50 s and 53 s, of which the fits took 45-48 s).
 #: DASH stays ahead: final val loss 2.2876 (AdamW) vs 2.2306 (DASH at version 0.5's defaults; 1.9742 with
 #: version 0.4's 8x lr and roots every 2 steps), which reaches AdamW's at step 100.
 QUICK: dict[str, Any] = {"steps": 150, "val_every": 25, "val_windows": 256, "max_bytes": 1_000_000}

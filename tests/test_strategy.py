@@ -8,6 +8,8 @@ here without Lightning) and are bit-identical across ranks.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -406,3 +408,50 @@ def test_registration_adds_dash_names_and_keeps_builtins():
         assert StrategyRegistry[name]["init_params"] == {"start_method": start_method}
     assert type(StrategyRegistry.get("ddp")) is DDPStrategy
     lightning_dash.register_strategies()  # idempotent: a second import-time call must not raise
+
+
+ONE_DEVICE_RUN = """
+import torch
+import torch.distributed as dist
+import lightning.pytorch as pl
+from lightning.pytorch.demos.boring_classes import BoringModel
+import lightning_dash
+
+class Watch(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        assert not dist.is_initialized(), "a process group during training"
+    def on_validation_batch_end(self, trainer, *args):
+        assert not dist.is_initialized(), "a process group during validation"
+
+options = dict(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=2, logger=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch()])
+model = BoringModel()
+trainer = pl.Trainer(strategy="dash", default_root_dir=ROOT, **options)
+trainer.fit(model)
+trainer.validate(model)
+trainer.test(model)
+assert type(trainer.optimizers[0]).__name__ == "DASH" and trainer.strategy.model is model
+resumed = pl.Trainer(strategy="dash", default_root_dir=ROOT, **dict(options, max_steps=6))
+resumed.fit(BoringModel(), ckpt_path=trainer.checkpoint_callback.best_model_path)
+assert resumed.global_step == 6 and not dist.is_initialized()
+print("no process group")
+"""
+
+
+def test_one_device_runs_without_a_process_group_or_its_messages(tmp_path):
+    """``devices=1``: fit, validate, test and a resume run in one process with no process group and
+    no DDP wrapper, and print nothing about distributed initialisation (a fresh interpreter, so no
+    group from another test can be there)."""
+    script = tmp_path / "one_device.py"
+    script.write_text(f"ROOT = {str(tmp_path)!r}\n" + ONE_DEVICE_RUN)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no process group" in result.stdout
+    output = result.stdout + result.stderr
+    assert "Initializing distributed" not in output and "distributed_backend" not in output, output

@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -164,10 +167,43 @@ class DashStrategy(DDPStrategy):
                     prefix + suffix, cls, description=description, start_method=start_method, **params
                 )
 
+    @property
+    def _one_process(self) -> bool:
+        """A single process (one device, one node): no process group and no DDP wrapper, as
+        Lightning's single-device strategy runs; DASH owns every block itself."""
+        return self.num_nodes * self.num_processes == 1
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         settle_gloo_workers_at_exit()
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self._one_process:
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if not self._one_process:
+            super().setup(trainer)
+            return
+        # One process: the base Strategy's setup (what SingleDeviceStrategy runs), with nothing wrapped or broadcast.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            if self.gradient_sync == "demo":
+                self._demo = DemoSynchronizer(**self.demo_options)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def configure_ddp(self) -> None:

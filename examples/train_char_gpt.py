@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ from lightning.pytorch.strategies import Strategy
 
 from lightning_dash import DashStrategy
 from lightning_dash.demos import report
+from lightning_dash.demos.contention import CpuShare, contention_warning, measured
 from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, WallClock
 from lightning_dash.demos.quiet import progress_bar_wanted, quiet_third_party_output
 
@@ -134,8 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace) -> tuple[pl.Trainer, float]:
-    """One run; returns its trainer and the wall time of ``trainer.fit``."""
+def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace) -> tuple[pl.Trainer, CpuShare]:
+    """One run; returns its trainer and the wall and CPU time of ``trainer.fit``."""
     module = GPTModule(
         context=args.context,
         width=args.width,
@@ -169,9 +169,9 @@ def fit(name: str, strategy: str | Strategy, lr: float, args: argparse.Namespace
         enable_checkpointing=False,
         enable_progress_bar=progress_bar_wanted(args.progress_bar),
     )
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=data)
-    return trainer, time.perf_counter() - start
+    with measured(torch.get_num_threads()) as phase:
+        trainer.fit(module, datamodule=data)
+    return trainer, phase[0]
 
 
 def environment() -> dict[str, Any]:
@@ -217,11 +217,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     labels = {"adamw": "AdamW", "dash": "DASH"}
     histories = [report.read_history(labels[name], path) for name, path in zip(runs, paths)]
     rows = report.compare(histories, [lrs[name] for name in runs], paths)
+    warning = contention_warning({name: phase for name, (_, phase) in runs.items()})
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     config.update(
         lr_adamw=lrs["adamw"],
         lr_dash=lrs["dash"],
-        fit_seconds={name: round(seconds, 2) for name, (_, seconds) in runs.items()},
+        fit_seconds={name: round(phase.wall_s, 2) for name, (_, phase) in runs.items()},
+        cpu_share={name: round(phase.share, 3) for name, (_, phase) in runs.items()},
+        load_average={name: [phase.load_before, phase.load_after] for name, (_, phase) in runs.items()},
+        contention=warning,
         optimizers={name: type(trainer.optimizers[0]).__name__ for name, (trainer, _) in runs.items()},
         environment=environment(),
     )
@@ -232,10 +236,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"byte-level GPT on stdlib source: width {args.width}, depth {args.depth}, context {args.context}, "
         f"batch {args.batch_size} x {args.devices}, lr AdamW {lrs['adamw']:g}, DASH {lrs['dash']:g}"
     )
-    report.plot(histories, plot_path, title)
+    report.plot(histories, plot_path, title, time_caution=warning and "wall time unreliable: other processes ran")
     # The table comes last, so that it is what a terminal shows when the run ends.
     print(f"\nlogs: {', '.join(map(str, paths))}\ntable: {table_path}\nplot: {plot_path}")
     print(f"\n{report.format_table(rows)}", flush=True)
+    if warning:
+        print(f"\nWARNING: {warning}", flush=True)
     return {
         "rows": rows,
         "histories": histories,

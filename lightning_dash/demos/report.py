@@ -99,8 +99,9 @@ def write_json(rows: Sequence[Row], config: dict, path: Path) -> None:
     path.write_text(json.dumps({"config": config, "results": [asdict(row) for row in rows]}, indent=2) + "\n")
 
 
-def plot(histories: Sequence[History], path: Path, title: str = "") -> None:
-    """Two panels: validation loss against optimizer steps and against wall time."""
+def plot(histories: Sequence[History], path: Path, title: str = "", time_caution: str | None = None) -> None:
+    """Two panels: validation loss against optimizer steps and against wall time (titled with
+    ``time_caution`` when the timing was disturbed, see :mod:`~lightning_dash.demos.contention`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,6 +119,8 @@ def plot(histories: Sequence[History], path: Path, title: str = "") -> None:
         axes.set_ylabel("validation loss (nats/byte)")
         axes.grid(alpha=0.3)
         axes.legend()
+    if time_caution:
+        by_time.set_title(time_caution, color="firebrick")
     if title:
         figure.suptitle(title)
     figure.savefig(path, dpi=120)

@@ -5,8 +5,8 @@ shapes (from its ``config.json``: hidden 4096, intermediate 12288, 36 layers, 32
 query and 8 key/value heads of dim 128, vocabulary 151936, untied embeddings), in
 the order ``model.parameters()`` lists them. :func:`sharded_plan` builds exactly the
 plan :class:`~lightning_dash.distributed.ShardedDistributor` builds at its first step
-(``matrix_regions`` -> ``block_cost`` -> ``lpt_assign`` -> ``split_by_owner`` ->
-``stacks_by_placement`` -> ``plan_pieces`` -> ``exchange_for``), for every rank, and
+(``matrix_regions`` -> ``block_cost`` -> ``holder_preferences`` -> ``lpt_assign`` ->
+``plan_rank``, the distributor's own planning functions), for every rank, and
 counts from it, per rank:
 
 * DASH state bytes (float32 statistics): for each owned ``rows x cols`` block, left and
@@ -50,11 +50,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
-from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.row_exchange import exchange_for, main_holder, plan_pieces, row_range
-from lightning_dash.optim.blocks import MatrixView, matrix_shape
+from lightning_dash.distributed.row_exchange import (
+    exchange_for,
+    holder_preferences,
+    matrix_views,
+    plan_pieces,
+    plan_rank,
+    row_range,
+)
+from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.config import DashConfig
-from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
+from lightning_dash.optim.layout import matrix_regions
 
 RESULTS_PATH = RESULTS_DIR / "fsdp_qwen3_8b_estimate.json"
 FLOAT32 = 4
@@ -195,19 +201,16 @@ def sharded_plan(
     regions = matrix_regions(views, block_size)
     tiles = [tile for region in regions for tile in region.single_tiles()]
     costs = [block_cost(*tile.block_shape, precondition_frequency, root_iterations) for tile in tiles]
-    shapes = {index: matrix_shape(param.shape) for index, param in enumerate(params) if param.dim() >= 2}
-    preferred = [
-        main_holder(t.row_start, t.block_shape[0], shapes[t.param_index][0], shapes[t.param_index][0], world_size)
-        for t in tiles
-    ]
-    owners = lpt_assign(costs, world_size, preferred=preferred if prefer_holders else None)
-    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
-    exchanges = [exchange_for(plan_pieces(rank_plans, shapes, world_size, rank=0), 0, world_size, shapes)]
-    runs = [exchanges[0].holder_runs(), exchanges[0].owner_runs(rank_plans[0])]
+    preferred = holder_preferences(regions, params, world_size) if prefer_holders else None
+    owners = lpt_assign(costs, world_size, preferred=preferred)
+    rank_plans, first = plan_rank(regions, params, owners, world_size, rank=0)
+    exchanges = [first]
+    runs = [first.holder_runs(), first.owner_runs(rank_plans[0])]
     setup = time.perf_counter() - start
     start = time.perf_counter()
-    pieces = plan_pieces(rank_plans, shapes, world_size)
-    exchanges += [exchange_for(pieces, rank, world_size, shapes) for rank in range(1, world_size)]
+    shapes, leading = matrix_views(regions, params)
+    pieces = plan_pieces(rank_plans, shapes, world_size, leading)
+    exchanges += [exchange_for(pieces, rank, world_size, shapes, leading) for rank in range(1, world_size)]
     others = time.perf_counter() - start
     loads = [0.0] * world_size
     for owner, cost in zip(owners, costs):

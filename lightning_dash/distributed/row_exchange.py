@@ -24,7 +24,9 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import StackPlan
+from lightning_dash.distributed.block_exchange import split_by_owner
+from lightning_dash.optim.blocks import Region, StackPlan
+from lightning_dash.optim.layout import stacks_by_placement
 
 
 def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -283,3 +285,34 @@ def exchange_for(
         index: view_row_range(rows, leading.get(index, rows), world_size, rank) for index, (rows, _) in shapes.items()
     }
     return RowExchange(rank, outgoing, incoming, held_rows, {index: cols for index, (_, cols) in shapes.items()})
+
+
+def matrix_views(regions: list[Region], params: list[Tensor]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """The matrix view of each blocked parameter (by index) and its first dimension, the
+    one FSDP2 shards: what :func:`plan_pieces` and :func:`exchange_for` take."""
+    shapes = {region.param_index: region.view.shape for region in regions}
+    return shapes, {index: int(params[index].shape[0]) for index in shapes}
+
+
+def holder_preferences(regions: list[Region], params: list[Tensor], world_size: int) -> list[int | None]:
+    """For each tile of ``regions``, in order, the rank that holds most of its rows
+    (:func:`main_holder`): the owner LPT prefers among equally loaded ranks."""
+    shapes, leading = matrix_views(regions, params)
+    return [
+        main_holder(
+            tile.row_start, tile.block_shape[0], shapes[tile.param_index][0], leading[tile.param_index], world_size
+        )
+        for region in regions
+        for tile in region.single_tiles()
+    ]
+
+
+def plan_rank(
+    regions: list[Region], params: list[Tensor], owners: list[int], world_size: int, rank: int
+) -> tuple[list[list[StackPlan]], RowExchange]:
+    """Every rank's stacks given each tile's owner, and ``rank``'s side of the row exchange
+    (built from only the pieces it sends or receives)."""
+    shapes, leading = matrix_views(regions, params)
+    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
+    pieces = plan_pieces(rank_plans, shapes, world_size, leading, rank=rank)
+    return rank_plans, exchange_for(pieces, rank, world_size, shapes, leading)

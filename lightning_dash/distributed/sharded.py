@@ -19,19 +19,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
-from lightning_dash.distributed.row_exchange import (
-    RowExchange,
-    Runs,
-    exchange_for,
-    main_holder,
-    plan_pieces,
-    row_range,
-)
+from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank, row_range
 from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, masked
-from lightning_dash.optim.layout import stacks_by_placement, state_dtype
+from lightning_dash.optim.layout import state_dtype
 from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM
 
 
@@ -139,22 +131,13 @@ class ShardedDistributor(ProcessGroupDistributor):
     def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
         check_row_sharded(params, None, self.world_size)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
-        shapes = {region.param_index: region.view.shape for region in regions}
-        leading = {index: int(params[index].shape[0]) for index in shapes}
         owners = self.assign_owners(
             keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
             shapes=[t.block_shape for t, _ in tiles],
             frequencies=[frequency for _, frequency in tiles],
-            preferred=[
-                main_holder(
-                    t.row_start, t.block_shape[0], shapes[t.param_index][0], leading[t.param_index], self.world_size
-                )
-                for t, _ in tiles
-            ],
+            preferred=holder_preferences(regions, params, self.world_size),
         )
-        rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, self.world_size)]
-        pieces = plan_pieces(rank_plans, shapes, self.world_size, leading, rank=self.rank)
-        self._rows = exchange_for(pieces, self.rank, self.world_size, shapes, leading)
+        rank_plans, self._rows = plan_rank(regions, params, owners, self.world_size, self.rank)
         self._plans = rank_plans[self.rank]
         self._holder_runs = self._rows.holder_runs().to(self._device())
         self._owner_runs = self._rows.owner_runs(self._plans).to(self._device())

@@ -4,7 +4,7 @@ This is the baseline of ``benchmarks/step_time.py``: the structure of Distribute
 Shampoo, where every block of every parameter keeps its own statistics and is
 processed by its own small kernels. It performs DASH's update exactly (the same
 factor updates, bias corrections, Adam grafting, root schedule and the same
-:func:`~lightning_dash.optim.roots.inverse_root` solver, called on a ``(1, b, b)``
+:func:`~lightning_dash.optim.roots.solve.inverse_root` solver, called on a ``(1, b, b)``
 stack), so the only difference from DASH is the loop over blocks instead of
 batched stacks. ``tests/test_benchmarks.py`` checks that both produce the same
 parameters.
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import matrix_shape
 from lightning_dash.optim.config import DEFAULT_EPSILON
-from lightning_dash.optim.factors import accumulate_factors
-from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.roots import RootSettings, inverse_root
-from lightning_dash.optim.stack_update import UpdateRules, momentum_terms, next_momentum
+from lightning_dash.optim.stacks.blocks import matrix_shape
+from lightning_dash.optim.step.factors import accumulate_factors
+from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms
+from lightning_dash.optim.step.update import UpdateRules, momentum_terms, next_momentum
 
 
 @dataclass

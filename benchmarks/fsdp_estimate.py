@@ -58,9 +58,9 @@ from lightning_dash.distributed.row_exchange import (
     plan_rank,
     row_range,
 )
-from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.config import DashConfig
-from lightning_dash.optim.layout import matrix_regions
+from lightning_dash.optim.stacks.blocks import MatrixView
+from lightning_dash.optim.stacks.layout import matrix_regions
 
 RESULTS_PATH = RESULTS_DIR / "fsdp_qwen3_8b_estimate.json"
 FLOAT32 = 4

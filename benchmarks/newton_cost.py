@@ -20,7 +20,7 @@ measured on
   the machine's rate,
 * ``iterations``: iterations run (every one costs full matmuls, converged blocks included)
   and ``converged_by``: the iteration after which every block was frozen (per pass),
-* ``syncs``: host synchronisations (:func:`~lightning_dash.optim.op_counts.count_ops`),
+* ``syncs``: host synchronisations (:func:`~lightning_dash.testing.op_counts.count_ops`),
 * ``max_rel_err``: the largest per-block ``||X - X_ref||_F / ||X_ref||_F`` against the
   float64 ``eigh`` root of the same float32 factor.
 
@@ -54,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, format_columns
 
-import lightning_dash.optim.newton_roots as newton_roots
+import lightning_dash.optim.roots.newton as newton_roots
 from lightning_dash.optim.config import DashConfig
-from lightning_dash.optim.op_counts import count_ops
 from lightning_dash.optim.roots import inverse_root
+from lightning_dash.testing.op_counts import count_ops
 
 ROOT = 4
 SEED = 2024

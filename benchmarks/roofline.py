@@ -9,7 +9,7 @@ and the HBM bytes of every part of a step, and takes for each part the larger of
 Shapes: GPT-2 small, medium and large (``benchmarks/step_time.py``'s helper and models), a
 1.3B GPT (GPT-3 XL's shape) and Llama-3-8B (``benchmarks/fsdp_estimate.py``'s shape list
 without Qwen3's per-head norms). Blocks come from DASH's own tiling
-(:func:`lightning_dash.optim.blocks.param_regions`): every parameter of two or more dims
+(:func:`lightning_dash.optim.stacks.blocks.param_regions`): every parameter of two or more dims
 is cut into ``block_size`` tiles; 1-D parameters get Adam only.
 
 Parts of a DASH step, per ``m x n`` block (``E = m n`` elements, ``F = m^2 + n^2`` factor entries):
@@ -30,7 +30,7 @@ Parts of a DASH step, per ``m x n`` block (``E = m n`` elements, ``F = m^2 + n^2
   candidate tensors in before the on-device commit).
 * ``root matmuls`` and ``root elementwise``: Newton-DB inverse fourth roots of both factors,
   amortised over the precondition frequency ``f``; its iteration count is the one
-  :func:`~lightning_dash.optim.newton_roots.planned_scaled_iterations` plans for the
+  :func:`~lightning_dash.optim.roots.newton.planned_scaled_iterations` plans for the
   default relative epsilon 1e-6 (one scaled coupled pass for ``A^(-1/4)``, what ``auto``
   picks on CUDA). ``eigh`` (``auto``'s choice on CPU) is not a matmul workload: the time of cuSOLVER's
   eigendecomposition is not modelled; the records give its FLOPs and, per factor size, the
@@ -70,11 +70,11 @@ from fsdp_estimate import Qwen3Config, block_state_bytes, qwen3_parameters
 from step_time import MODELS as STEP_TIME_MODELS
 from step_time import GPTShape, gpt_parameter_shapes
 
-from lightning_dash.optim.blocks import MatrixView, param_regions
 from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
-from lightning_dash.optim.newton_roots import planned_scaled_iterations
-from lightning_dash.optim.root_common import spectral_upper_bound
 from lightning_dash.optim.roots import spectrum_floor
+from lightning_dash.optim.roots.common import spectral_upper_bound
+from lightning_dash.optim.roots.newton import planned_scaled_iterations
+from lightning_dash.optim.stacks.blocks import MatrixView, param_regions
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
@@ -268,7 +268,7 @@ def vector_bytes_per_element(param_bytes: int) -> int:
 
 def newton_db_iterations(matmul_dtype: torch.dtype, side: int, epsilon: float = DEFAULT_EPSILON) -> int:
     """Iterations of Newton-DB's one pass, as DASH plans them for relative damping ``epsilon``
-    (the same calls as :func:`~lightning_dash.optim.newton_roots.newton_db` makes)."""
+    (the same calls as :func:`~lightning_dash.optim.roots.newton.newton_db` makes)."""
     settings = DashConfig(inverse_root_method="newton_db", matmul_dtype=matmul_dtype, epsilon=epsilon).root_settings
     floor = spectrum_floor(settings, side, epsilon)
     return planned_scaled_iterations(floor, spectral_upper_bound(settings.scaling), 4)

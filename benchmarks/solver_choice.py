@@ -1,5 +1,5 @@
 """Which inverse-root solver is fastest at the required accuracy, per block size: the measured
-basis of ``inverse_root_method="auto"`` (:mod:`lightning_dash.optim.solver_choice`).
+basis of ``inverse_root_method="auto"`` (:mod:`lightning_dash.optim.roots.choice`).
 
 For every block size ``b`` in :data:`BLOCK_SIZES`, a stack of ``n = STACK_ELEMENTS / b^2``
 blocks (at least one; ~4M elements, the order of one size's due factors in a step) is

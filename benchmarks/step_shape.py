@@ -1,6 +1,6 @@
 """The shape of one optimizer step on a device: host synchronisations and kernel launches.
 
-Exact counts, not timings (:mod:`lightning_dash.optim.op_counts` watches the ATen calls
+Exact counts, not timings (:mod:`lightning_dash.testing.op_counts` watches the ATen calls
 and host reads of one ``step()``), so the numbers hold on any machine and predict how a
 step behaves on a GPU: a host synchronisation stalls the launch queue, and launches
 that grow with the number of layers make the host the bottleneck of a deep model.
@@ -44,8 +44,8 @@ from step_time import GPTShape, gpt_parameter_shapes, make_parameters, set_gradi
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor
-from lightning_dash.optim.op_counts import OpCounts, count_ops
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
+from lightning_dash.testing.op_counts import OpCounts, count_ops
 
 WIDTH = 64
 BLOCK_SIZE = 1024

@@ -30,7 +30,9 @@ def imported_modules(path: Path) -> set[str]:
     return modules
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "optim").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((PACKAGE / "optim").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE / "optim"))
+)
 def test_optim_imports_neither_communication_nor_trainers(path):
     forbidden = [
         m
@@ -52,6 +54,24 @@ def test_distributed_imports_no_trainer(path):
         or m.startswith(("lightning_dash.strategies", "lightning_dash.callbacks", "lightning_dash.composer"))
     ]
     assert not forbidden, f"{path.name} imports {forbidden}"
+
+
+#: What the data-parallel runtimes may use of the optimizer: its package, the distributor protocol,
+#: the stacks' public API and the shared argument checks; never the step's or the solvers' internals.
+OPTIM_PUBLIC_SURFACE = (
+    "lightning_dash.optim",
+    "lightning_dash.optim.distributor",
+    "lightning_dash.optim.stacks",
+    "lightning_dash.optim.validation",
+)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "distributed").glob("*.py")), ids=lambda p: p.name)
+def test_distributed_uses_only_the_optimizers_public_surface(path):
+    private = [
+        m for m in imported_modules(path) if m.startswith("lightning_dash.optim") and m not in OPTIM_PUBLIC_SURFACE
+    ]
+    assert not private, f"{path.name} imports {private}"
 
 
 def test_dash_trains_with_torch_alone():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dash.optim.blocks import MatrixView, matrix_shape, param_regions, stack_regions
+from lightning_dash.optim.stacks.blocks import MatrixView, matrix_shape, param_regions, stack_regions
 
 
 @pytest.mark.parametrize("shape", [(1030, 17), (7, 5), (16, 27), (768, 256), (2048, 2048), (1, 9), (13, 1)])

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dash.optim.newton_roots import planned_scaled_iterations
-from lightning_dash.optim.op_counts import count_ops
 from lightning_dash.optim.roots import (
     INVERSE_ROOT_METHODS,
     MAX_ROOT_ERROR,
@@ -16,7 +14,9 @@ from lightning_dash.optim.roots import (
     inverse_root,
     spectrum_floor,
 )
-from lightning_dash.optim.scaling import frobenius_scale, power_iteration_scale
+from lightning_dash.optim.roots.newton import planned_scaled_iterations
+from lightning_dash.optim.roots.scaling import frobenius_scale, power_iteration_scale
+from lightning_dash.testing.op_counts import count_ops
 
 
 def spd_stack(n: int, size: int, condition: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_dash import DASH, DashConfig
-from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.routing import CONVOLUTION, EMBEDDING, OUTPUT, describe_model
+from lightning_dash.optim.stacks.blocks import MatrixView
 
 OPTIONS = dict(lr=0.02, block_size=4, precondition_frequency=1, epsilon=1e-4, weight_decay=0.1)
 

@@ -12,8 +12,8 @@ import torch
 from lightning_dash.distributed.assignment import lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.row_exchange import Piece, Runs, exchange_for, main_holder, plan_pieces
-from lightning_dash.optim.blocks import MatrixView, matrix_shape
-from lightning_dash.optim.layout import matrix_regions, stacks_by_placement
+from lightning_dash.optim.stacks.blocks import MatrixView, matrix_shape
+from lightning_dash.optim.stacks.layout import matrix_regions, stacks_by_placement
 
 SHAPES = [(37, 20), (5, 9), (64, 64), (3, 11, 7), (100, 3), (1, 13), (8, 4, 4)]
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor
-from lightning_dash.optim.op_counts import count_ops
+from lightning_dash.testing.op_counts import count_ops
 
 OPTIONS = dict(lr=0.05, block_size=8, precondition_frequency=2, start_preconditioning_step=2, weight_decay=0.01)
 BATCH = 12  # divisible by 1..4 ranks: the mean of the ranks' means is the global mean

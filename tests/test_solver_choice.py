@@ -1,4 +1,4 @@
-"""The solver ``inverse_root_method="auto"`` resolves to (:mod:`lightning_dash.optim.solver_choice`).
+"""The solver ``inverse_root_method="auto"`` resolves to (:mod:`lightning_dash.optim.roots.choice`).
 
 Always a known solver; the CPU table equal to the winners recorded by
 ``benchmarks/solver_choice.py`` in ``benchmarks/results/solver_choice_cpu.json`` (so the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
-from lightning_dash.optim.solver_choice import (
+from lightning_dash.optim.roots.choice import (
     CPU_TABLE,
     CUDA_TABLE,
     FALLBACK_METHOD,

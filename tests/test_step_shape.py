@@ -1,5 +1,5 @@
 """The step's shape on a device, counted exactly on the CPU: host synchronisations and
-kernel launches (see :mod:`lightning_dash.optim.op_counts`).
+kernel launches (see :mod:`lightning_dash.testing.op_counts`).
 
 A step that waits for the device, or whose launches grow with the model's depth, is
 slow on a GPU whatever its FLOPs; both are structural facts, so they are tested here
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_dash import DASH
-from lightning_dash.optim.op_counts import count_ops
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
+from lightning_dash.testing.op_counts import count_ops
 
 WIDTH = 64
 

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dash.optim import DASH
-from lightning_dash.optim.grafting import GRAFTING_TYPES
+from lightning_dash.optim.step.grafting import GRAFTING_TYPES
 from lightning_dash.optim.validation import check_choice, check_int
 
 

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dash.optim.blocks import MatrixView, param_regions
+from lightning_dash.optim.stacks import MatrixView, param_regions
 
 STEP_FLOPS_PER_TERM = 4
 """Per-step flops per ``rows * cols * (rows + cols)``: 2 for the factor updates
@@ -153,7 +153,7 @@ def block_shapes(param_shapes: Sequence[Sequence[int]], block_size: int) -> list
     stack of experts under DASH is one matrix per expert, see :mod:`lightning_dash.optim.routing`).
 
     Parameters in order; within one, the regions of
-    :func:`~lightning_dash.optim.blocks.param_regions` in order and each region's
+    :func:`~lightning_dash.optim.stacks.blocks.param_regions` in order and each region's
     tiles row-major (the order of their stack offsets). 1-D parameters have no blocks.
     """
     _require_positive("block_size", block_size)

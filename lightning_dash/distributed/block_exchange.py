@@ -14,10 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, add_stacks
 from lightning_dash.optim.distributor import BlockUpdate, masked
-from lightning_dash.optim.layout import stacks_by_placement
-from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, ROOT_FAILURES, ROOT_VALID
+from lightning_dash.optim.stacks import (
+    GRAFTING_RMS,
+    MOMENTUM,
+    ROOT_FAILURES,
+    ROOT_VALID,
+    Region,
+    StackPlan,
+    add_stacks,
+    stacks_by_placement,
+)
 
 
 @dataclass

@@ -17,8 +17,8 @@ from lightning_dash.distributed.block_exchange import (
     pack_updates,
     plan_exchange,
 )
-from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, WholeParameters
+from lightning_dash.optim.stacks import Region, StackPlan
 from lightning_dash.optim.validation import check_communication_dtype
 
 

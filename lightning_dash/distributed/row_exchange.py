@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.optim.blocks import Region, StackPlan
-from lightning_dash.optim.layout import stacks_by_placement
+from lightning_dash.optim.stacks import Region, StackPlan, stacks_by_placement
 
 
 def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -21,10 +21,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank, row_range
-from lightning_dash.optim.blocks import Region, StackPlan
 from lightning_dash.optim.distributor import BlockUpdate, masked
-from lightning_dash.optim.layout import state_dtype
-from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM
+from lightning_dash.optim.stacks import GRAFTING_RMS, MOMENTUM, Region, StackPlan, state_dtype
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ from lightning_dash.integration.options import ConversionOptions, accepts_dash_o
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES
-from lightning_dash.optim.layout import param_names
+from lightning_dash.optim.stacks import param_names
 from lightning_dash.optim.validation import check_choice
 from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_model
 

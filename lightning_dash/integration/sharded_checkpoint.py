@@ -30,7 +30,7 @@ from lightning_dash.integration.checkpoint_files import (
     load_file,
 )
 from lightning_dash.optim import DASH
-from lightning_dash.optim.layout import param_names
+from lightning_dash.optim.stacks import param_names
 
 _TILE = re.compile(r"^(?P<item>[a-z_]+)_(?P<i>\d+)_(?P<j>\d+)$")
 

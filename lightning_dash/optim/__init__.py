@@ -3,6 +3,6 @@
 from lightning_dash.optim.config import DashConfig
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate, LocalDistributor
 from lightning_dash.optim.optimizer import DASH
-from lightning_dash.optim.root_failures import RootComputationError
+from lightning_dash.optim.step.failures import RootComputationError
 
 __all__ = ["DASH", "BlockDistributor", "BlockUpdate", "DashConfig", "LocalDistributor", "RootComputationError"]

@@ -1,7 +1,7 @@
 """Saving and resuming DASH: the standard torch state-dict layout, checked at load.
 
 ``state_dict()`` holds per-parameter copies of every statistic (see
-:mod:`.state` for the keys) plus a ``dash`` entry with the optimizer-wide counters
+:mod:`~lightning_dash.optim.stacks.state` for the keys) plus a ``dash`` entry with the optimizer-wide counters
 and grafting type; with blocks owned by several ranks the ranks' states are merged
 first, so a checkpoint does not depend on the world size it was written at.
 """
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.distributor import BlockDistributor
-from lightning_dash.optim.layout import Layout, export_layout, param_names
-from lightning_dash.optim.state import (
+from lightning_dash.optim.stacks.blocks import MatrixView
+from lightning_dash.optim.stacks.layout import Layout, export_layout, param_names
+from lightning_dash.optim.stacks.state import (
     FACTOR_KEYS,
     GRAFTING_RMS,
     LEGACY_SECOND_MOMENT,

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_dash.optim.grafting import GRAFTING_TYPES
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
 from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
 from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
+from lightning_dash.optim.step.grafting import GRAFTING_TYPES
 from lightning_dash.optim.validation import (
     check_betas,
     check_bool,

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan, add_stacks
-from lightning_dash.optim.layout import stacks_by_placement, state_dtype
+from lightning_dash.optim.stacks.blocks import Region, StackPlan, add_stacks
+from lightning_dash.optim.stacks.layout import stacks_by_placement, state_dtype
 
 
 @dataclass

@@ -13,19 +13,19 @@ from torch import Tensor, nn
 from lightning_dash.optim.checkpoint import DashStateDict
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import converted_groups
-from lightning_dash.optim.device_step import step_on_device
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
-from lightning_dash.optim.grafting import uses_second_moment
-from lightning_dash.optim.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
 from lightning_dash.optim.param_routing import ParameterRouting
-from lightning_dash.optim.root_failures import failure_summary
-from lightning_dash.optim.root_refresh import RootRefresher
 from lightning_dash.optim.roots import RootSettings
+from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
 from lightning_dash.optim.routing import describe_model
-from lightning_dash.optim.solver_choice import choose_inverse_root_method, explain_choice
-from lightning_dash.optim.stack_update import UpdateRules, active_params, gradients_all_zero
-from lightning_dash.optim.step_bookkeeping import StepBookkeeping
-from lightning_dash.optim.step_verdict import VerdictQueue
+from lightning_dash.optim.stacks.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
+from lightning_dash.optim.step.bookkeeping import StepBookkeeping
+from lightning_dash.optim.step.device import step_on_device
+from lightning_dash.optim.step.failures import failure_summary
+from lightning_dash.optim.step.grafting import uses_second_moment
+from lightning_dash.optim.step.refresh import RootRefresher
+from lightning_dash.optim.step.update import UpdateRules, active_params, gradients_all_zero
+from lightning_dash.optim.step.verdict import VerdictQueue
 
 _log = logging.getLogger("lightning_dash")
 #: Device types whose "auto" choice was logged (once per process).
@@ -114,7 +114,7 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
     @property
     def inverse_root_method_in_use(self) -> str:
         """The solver the roots are computed with: the option, or what ``"auto"`` picks for
-        the parameters' device and the block size (:mod:`~lightning_dash.optim.solver_choice`)."""
+        the parameters' device and the block size (:mod:`~lightning_dash.optim.roots.choice`)."""
         method = self._config.inverse_root_method
         if method != AUTO:
             return method

@@ -6,10 +6,10 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dash.optim.blocks import MatrixView
 from lightning_dash.optim.config import DashConfig
-from lightning_dash.optim.layout import param_names
 from lightning_dash.optim.routing import ModelParameters, describe_model, matrix_views
+from lightning_dash.optim.stacks.blocks import MatrixView
+from lightning_dash.optim.stacks.layout import param_names
 
 
 class ParameterRouting:
@@ -47,7 +47,7 @@ class ParameterRouting:
         )
 
     def preconditioning(self) -> dict[str, MatrixView | None]:
-        """How each parameter is updated, by name: its :class:`~.blocks.MatrixView` when
+        """How each parameter is updated, by name: its :class:`~lightning_dash.optim.stacks.blocks.MatrixView` when
         DASH preconditions it, None when the grafting optimizer alone updates it."""
         known = self._param_names_known()
         fallback = param_names(self.param_groups)

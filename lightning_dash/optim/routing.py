@@ -10,7 +10,7 @@ Shampoo blocks or to the grafting optimizer alone:
 * a callable ``(name, param) -> bool``.
 
 One-dimensional and empty parameters always go to the grafting optimizer. A
-preconditioned parameter is seen as a :class:`~.blocks.MatrixView`: a 3-D
+preconditioned parameter is seen as a :class:`~lightning_dash.optim.stacks.blocks.MatrixView`: a 3-D
 parameter that is not a convolution's weight is a stack of expert matrices
 ``(experts, out, in)``, one matrix per expert; other parameters are
 ``(shape[0], rest)``. ``split_rows`` cuts a fused projection (``{"qkv": 3}``) into
@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_dash.optim.blocks import MatrixView
+from lightning_dash.optim.stacks.blocks import MatrixView
 
 ALL_MATRICES = "all_matrices"
 HIDDEN = "hidden"

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_dash.optim.root_common import MATMUL_DTYPES
+from lightning_dash.optim.roots.common import MATMUL_DTYPES
 
 _DTYPE_ALIASES = {
     "float32": torch.float32,

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.distributor import BlockDistributor
-from lightning_dash.optim.root_refresh import FailureReport
+from lightning_dash.optim.step.refresh import FailureReport
 
 
 class RootComputationError(RuntimeError):

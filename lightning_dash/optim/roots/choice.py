@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-from lightning_dash.optim.root_common import INVERSE_ROOT_METHODS
+from lightning_dash.optim.roots.common import INVERSE_ROOT_METHODS
 
 __all__ = [
     "CPU_TABLE",
@@ -131,7 +131,7 @@ def choose_inverse_root_method(device: torch.device | str, block_size: int) -> s
 
     Looks the block size's bucket up in the device type's table (``"cuda:1"`` is
     ``cuda``); device types without a table get :data:`FALLBACK_METHOD`. Always one
-    of :data:`~lightning_dash.optim.root_common.INVERSE_ROOT_METHODS`.
+    of :data:`~lightning_dash.optim.roots.common.INVERSE_ROOT_METHODS`.
     """
     _check_block_size(block_size)
     table = SOLVER_TABLES.get(_device_type(device))

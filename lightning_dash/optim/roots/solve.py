@@ -33,34 +33,16 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.newton_roots import coupled_newton, newton_db
-from lightning_dash.optim.root_common import (
-    DEFAULT_TOLERANCE,
+from lightning_dash.optim.roots.common import (
     INVERSE_ROOT_METHODS,
-    MATMUL_DTYPES,
-    MAX_ROOT_ERROR,
     RootResult,
     RootSettings,
     add_diagonal,
-    failure_residual,
     noise_floor,
 )
-from lightning_dash.optim.scaling import spectral_scale
-from lightning_dash.optim.spectral_roots import chebyshev, chebyshev_floor, eigh
-
-__all__ = [
-    "DEFAULT_TOLERANCE",
-    "INVERSE_ROOT_METHODS",
-    "MATMUL_DTYPES",
-    "MAX_ROOT_ERROR",
-    "RootResult",
-    "RootSettings",
-    "chebyshev_floor",
-    "failure_residual",
-    "inverse_root",
-    "normalise",
-    "spectrum_floor",
-]
+from lightning_dash.optim.roots.newton import coupled_newton, newton_db
+from lightning_dash.optim.roots.scaling import spectral_scale
+from lightning_dash.optim.roots.spectral import chebyshev, eigh
 
 
 def _working_dtype(statistics: Tensor) -> torch.dtype:

@@ -14,7 +14,7 @@ methods that read data back to Python (:class:`torch.overrides.TorchFunctionMode
   calls excluded). Foreach ops count once: they run a few fused kernels on a GPU.
 
 Reading a host buffer that an earlier asynchronous copy filled (marked by
-:func:`~.step_verdict.mark_host_mirror`) is not counted: it waits for that copy's event,
+:func:`~lightning_dash.optim.step.verdict.mark_host_mirror`) is not counted: it waits for that copy's event,
 not for the kernels queued since.
 
 ``torch.linalg.eigh`` is listed apart (:attr:`OpCounts.device_checked`): on CUDA torch
@@ -31,7 +31,7 @@ from typing import Any
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dash.optim.step_verdict import is_host_mirror
+from lightning_dash.optim.step.verdict import is_host_mirror
 
 #: ATen calls whose result the host must wait for.
 SYNCHRONISING_OPS = frozenset(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import Region, StackPlan
+from lightning_dash.optim.stacks.blocks import Region, StackPlan
 
 FACTOR_KEYS = ("left_factor", "right_factor", "left_root", "right_root")
 FACTOR_SCALE = "factor_scale"

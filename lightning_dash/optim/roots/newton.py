@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.root_common import (
+from lightning_dash.optim.roots.common import (
     RootSettings,
     bmm,
     freeze,

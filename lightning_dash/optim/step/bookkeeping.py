@@ -1,7 +1,7 @@
 """The host's side of DASH's steps: step counts, counters and the root-failure limit.
 
-The device decides each step (:mod:`.device_step`) and the host reads the verdict one
-step later (:mod:`.step_verdict`). :class:`StepBookkeeping`, a mixin of
+The device decides each step (:mod:`.device`) and the host reads the verdict one
+step later (:mod:`.verdict`). :class:`StepBookkeeping`, a mixin of
 :class:`~lightning_dash.optim.DASH`, applies it: it undoes the step counts of a skipped
 step, counts skips and rejected roots, and raises :class:`RootComputationError` at the
 next step once a block's failure streak reached ``max_consecutive_root_failures``.
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from lightning_dash.optim.layout import Layout
-from lightning_dash.optim.root_failures import raise_on_streak
-from lightning_dash.optim.root_refresh import FailureReport, committed_streaks
-from lightning_dash.optim.step_verdict import StepVerdict, VerdictQueue
+from lightning_dash.optim.stacks.layout import Layout
+from lightning_dash.optim.step.failures import raise_on_streak
+from lightning_dash.optim.step.refresh import FailureReport, committed_streaks
+from lightning_dash.optim.step.verdict import StepVerdict, VerdictQueue
 
 
 class StepBookkeeping:
@@ -41,7 +41,7 @@ class StepBookkeeping:
     root_failure_count = _counter(
         "root_failure_count",
         "Blocks whose new roots were rejected (non-finite, or a residual above "
-        ":func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.",
+        ":func:`~lightning_dash.optim.roots.solve.failure_residual`), over all ranks.",
     )
     nonfinite_grad_skips = _counter("nonfinite_grad_skips", "Steps skipped whole because some gradient was not finite.")
     nonfinite_update_skips = _counter(

@@ -17,9 +17,16 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import MatrixView, Region, StackPlan, param_regions, stack_regions
-from lightning_dash.optim.host_values import upload
-from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState, export_stack, export_tiles, import_stack
+from lightning_dash.optim.stacks.blocks import MatrixView, Region, StackPlan, param_regions, stack_regions
+from lightning_dash.optim.stacks.state import (
+    GRAFTING_RMS,
+    MOMENTUM,
+    StackState,
+    export_stack,
+    export_tiles,
+    import_stack,
+)
+from lightning_dash.optim.stacks.uploads import upload
 
 
 def state_dtype(param: Tensor) -> torch.dtype:

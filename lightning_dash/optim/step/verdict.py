@@ -10,7 +10,7 @@ start of the next step, or whenever a counter is read.
 
 On CUDA the read waits only for the previous step's event, which has normally passed:
 the current forward and backward were queued behind it. Reading a filled host buffer
-does not touch the device, so :mod:`.op_counts` does not count it as a synchronisation.
+does not touch the device, so :mod:`~lightning_dash.testing.op_counts` does not count it as a synchronisation.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _HOST_MIRRORS: dict[int, weakref.ref[Tensor]] = {}
 
 
 def mark_host_mirror(tensor: Tensor) -> Tensor:
-    """Register ``tensor`` as host memory filled by an asynchronous copy (see :mod:`.op_counts`)."""
+    """Register ``tensor`` as host memory filled by an asynchronous copy (see
+    :mod:`~lightning_dash.testing.op_counts`)."""
     key = id(tensor)
     _HOST_MIRRORS[key] = weakref.ref(tensor, lambda _: _HOST_MIRRORS.pop(key, None))
     return tensor

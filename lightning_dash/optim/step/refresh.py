@@ -2,7 +2,7 @@
 
 All due factors of one size are solved in one batched call (across stacks). A
 block's new roots are accepted when both are finite and, for the Newton solvers,
-both residuals are at most :func:`~.roots.failure_residual`; otherwise the previous
+both residuals are at most :func:`~lightning_dash.optim.roots.common.failure_residual`; otherwise the previous
 roots stay and the block's failure streak grows.
 
 :class:`RootRefresher` is what a step talks to, whatever the path:
@@ -22,14 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.async_roots import RootPipeline
-from lightning_dash.optim.blocks import StackPlan
-from lightning_dash.optim.layout import Layout
 from lightning_dash.optim.roots import RootResult, RootSettings, failure_residual, inverse_root
-from lightning_dash.optim.stack_update import StackWork, per_block
-from lightning_dash.optim.state import StackState
+from lightning_dash.optim.stacks.blocks import StackPlan
+from lightning_dash.optim.stacks.layout import Layout
+from lightning_dash.optim.stacks.state import StackState
+from lightning_dash.optim.step.async_refresh import RootPipeline
+from lightning_dash.optim.step.update import StackWork, per_block
 
-#: ``solver(stacked factors, eps, root, settings, scale, min_eps)``, as :func:`~.roots.inverse_root`.
+#: ``solver(stacked factors, eps, root, settings, scale, min_eps)``, as
+#: :func:`~lightning_dash.optim.roots.inverse_root`.
 Solver = Callable[..., RootResult]
 
 
@@ -159,9 +160,9 @@ class RootRefresher:
     handles the parameters' device (CUDA, or the pipeline's CPU emulation).
 
     Attributes:
-        solver: the batched inverse-root function (:func:`~.roots.inverse_root`); a
+        solver: the batched inverse-root function (:func:`~lightning_dash.optim.roots.solve.inverse_root`); a
             replacement with the same signature may be set (e.g. to inject failures).
-        pipeline: the side-stream scheduler (:class:`~.async_roots.RootPipeline`).
+        pipeline: the side-stream scheduler (:class:`~lightning_dash.optim.step.async_refresh.RootPipeline`).
         last_residual: largest Newton residual of the roots accepted in the latest step.
     """
 

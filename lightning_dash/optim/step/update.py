@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.blocks import StackPlan
-from lightning_dash.optim.factors import accumulate_factors
-from lightning_dash.optim.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
-from lightning_dash.optim.host_values import upload, upload_runs
-from lightning_dash.optim.layout import Layout, Stack, VectorGroup
-from lightning_dash.optim.state import GRAFTING_RMS, MOMENTUM, StackState
+from lightning_dash.optim.stacks.blocks import StackPlan
+from lightning_dash.optim.stacks.layout import Layout, Stack, VectorGroup
+from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
+from lightning_dash.optim.stacks.uploads import upload, upload_runs
+from lightning_dash.optim.step.factors import accumulate_factors
+from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
 
 #: A value per block: a float when every block agrees, else a vector.
 PerBlock = float | Tensor

@@ -4,7 +4,7 @@ Every new statistic, root and update is computed into fresh tensors first. The d
 then decides whether the step is applied (every gradient and every update finite, on
 every rank) and writes the candidates into the state and the parameters with
 ``torch.where(skip, old, new)``: a step is applied whole or not at all, and the host
-never waits for the decision. It learns it one step later (:mod:`.step_verdict`).
+never waits for the decision. It learns it one step later (:mod:`.verdict`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate
-from lightning_dash.optim.layout import Layout
-from lightning_dash.optim.root_failures import failure_summary
-from lightning_dash.optim.root_refresh import FailureReport, RootRefresher
-from lightning_dash.optim.stack_update import (
+from lightning_dash.optim.stacks.layout import Layout
+from lightning_dash.optim.step.failures import failure_summary
+from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
+from lightning_dash.optim.step.update import (
     UpdateRules,
     any_nonfinite,
     begin_stack,
@@ -40,7 +40,7 @@ def step_on_device(
 ) -> Tensor:
     """Run one step of the ``active`` parameters; returns its verdict vector
     ``[gradient not finite, update not finite, failed roots, longest failure streak]``
-    on the device (see :mod:`.step_verdict`), the same on every rank."""
+    on the device (see :mod:`.verdict`), the same on every rank."""
     device = layout.params[min(active)].device
     due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
     # Side-stream roots swap in before any statistics move (and before blocks are copied out).

@@ -1,0 +1,31 @@
+"""Batched inverse p-th roots of stacked symmetric positive semi-definite matrices: the solvers, their
+spectral scaling and the choice between them (see :mod:`.solve` for the maths)."""
+
+from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
+from lightning_dash.optim.roots.common import (
+    DEFAULT_TOLERANCE,
+    INVERSE_ROOT_METHODS,
+    MATMUL_DTYPES,
+    MAX_ROOT_ERROR,
+    RootResult,
+    RootSettings,
+    failure_residual,
+)
+from lightning_dash.optim.roots.solve import inverse_root, normalise, spectrum_floor
+from lightning_dash.optim.roots.spectral import chebyshev_floor
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "INVERSE_ROOT_METHODS",
+    "MATMUL_DTYPES",
+    "MAX_ROOT_ERROR",
+    "RootResult",
+    "RootSettings",
+    "chebyshev_floor",
+    "choose_inverse_root_method",
+    "explain_choice",
+    "failure_residual",
+    "inverse_root",
+    "normalise",
+    "spectrum_floor",
+]

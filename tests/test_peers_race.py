@@ -18,6 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import _peers_analysis as analysis
+import _peers_contenders as contenders
+import _peers_train as race
 import peers
 
 #: The loss of a uniform prediction over 256 bytes, about where an untrained model starts.
@@ -93,32 +96,32 @@ def test_tiny_race_records_table_plot_and_merge(tmp_path, capsys):
 
 
 def test_routing_variants_and_unavailable_options():
-    settings = peers.Settings(steps=2, context=16)
-    model = peers.make_model(32, 0, settings)
+    settings = race.Settings(steps=2, context=16)
+    model = race.make_model(32, 0, settings)
     tokens = torch.randint(0, 256, (4, 16))
     sizes = {}
     for name in ("dash-eigh", "dash-eigh-hidden"):
-        optimizer = peers.build(peers.CONTENDERS[name], model, 1e-2, 6e-3)
+        optimizer = contenders.build(contenders.CONTENDERS[name], model, 1e-2, 6e-3)
         model.loss(tokens, tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
-        sizes[name] = peers.state_bytes(optimizer)
+        sizes[name] = contenders.state_bytes(optimizer)
     # "hidden" leaves the byte embedding and the head (256 x 32 each) to the grafting optimizer.
     assert sizes["dash-eigh-hidden"] < sizes["dash-eigh"]
     # A variant's options override the shared ones; --dash-variant adds one from the command line.
     args = peers.parse_args(["--dash-variant", 'dash-f1={"precondition_frequency": 1, "lrs": [0.01]}'])
     assert args.optimizers == ["dash-f1"] and args.registry["dash-f1"].lrs == (0.01,)
-    optimizer = peers.build(args.registry["dash-f1"], model, 1e-2, 6e-3)
+    optimizer = contenders.build(args.registry["dash-f1"], model, 1e-2, 6e-3)
     assert optimizer.param_groups[0]["precondition_frequency"] == 1
-    assert optimizer.param_groups[0]["weight_decay"] == peers.WEIGHT_DECAY
-    unknown = peers.Contender("dash-new", "dash", (1e-2,), {"no_such_option": 1})
-    with pytest.raises(peers.Unavailable):
-        peers.build(unknown, model, 1e-2, 6e-3)
-    record = peers.unavailable_record("dash-new", 32, 6, "no")
+    assert optimizer.param_groups[0]["weight_decay"] == contenders.WEIGHT_DECAY
+    unknown = contenders.Contender("dash-new", "dash", (1e-2,), {"no_such_option": 1})
+    with pytest.raises(contenders.Unavailable):
+        contenders.build(unknown, model, 1e-2, 6e-3)
+    record = race.unavailable_record("dash-new", 32, 6, "no")
     # An unavailable record gives way when the optimizer runs later, other records stay.
     ran = {**record, "lr": 0.01, "seed": 0, "status": "ok"}
     kept = {**record, "width": 64}
-    assert peers.merge([record, kept], [ran]) == [kept, ran]
+    assert analysis.merge([record, kept], [ran]) == [kept, ran]
 
 
 def curve_record(name: str, lr: float, seed: int, losses: list[float | None], step_ms: float = 10.0) -> dict:
@@ -147,10 +150,10 @@ def curve_record(name: str, lr: float, seed: int, losses: list[float | None], st
 
 def test_steps_to_adamw_final_on_constructed_curves():
     record = curve_record("x", 1.0, 0, [5.5, 3.0, 2.5, 2.4])
-    assert peers.steps_to(record, 2.5).step == 20  # at or below
-    assert peers.steps_to(record, 2.45).step == 30
-    assert peers.steps_to(record, 6.0).step == 10  # step 0 never counts
-    assert peers.steps_to(record, 2.0) is None
+    assert analysis.steps_to(record, 2.5).step == 20  # at or below
+    assert analysis.steps_to(record, 2.45).step == 30
+    assert analysis.steps_to(record, 6.0).step == 10  # step 0 never counts
+    assert analysis.steps_to(record, 2.0) is None
     records = [
         curve_record("adamw", 1e-3, 0, [5.5, 3.0, 2.6, 2.5, 2.4]),
         curve_record("adamw", 2e-3, 0, [5.5, 2.9, 2.5, 2.3, 2.2]),  # best: reaches its own final at 40
@@ -160,10 +163,10 @@ def test_steps_to_adamw_final_on_constructed_curves():
         curve_record("dash", 4e-3, 1, [5.5, 2.5, 2.4, 2.35, 2.31], step_ms=20.0),  # never reaches 2.3
         curve_record("dash", 8e-3, 0, [5.5, 2.0, None, None, None]),  # diverged: never the best
     ]
-    assert peers.best_lr(records, "adamw", 8, 40) == 2e-3
+    assert analysis.best_lr(records, "adamw", 8, 40) == 2e-3
     # Seed 0 is the only one run at every lr of dash: it decides (4e-3), the diverged 8e-3 never wins.
-    assert peers.best_lr(records, "dash", 8, 40) == 4e-3
-    rows = {row["optimizer"]: row for row in peers.summary_rows(records, 8, 40, ["adamw", "dash"])}
+    assert analysis.best_lr(records, "dash", 8, 40) == 4e-3
+    rows = {row["optimizer"]: row for row in analysis.summary_rows(records, 8, 40, ["adamw", "dash"])}
     assert rows["adamw"]["steps_to_adamw_final"] == [40, 40]
     assert rows["adamw"]["steps_ratio_to_adamw"] == [1.0, 1.0]
     assert rows["dash"]["steps_to_adamw_final"] == [20, None]
@@ -171,7 +174,7 @@ def test_steps_to_adamw_final_on_constructed_curves():
     assert rows["dash"]["wall_s_to_adamw_final"] == [2.0, None]
     assert rows["dash"]["estimated_s_to_adamw_final"] == [20 * 20.0 / 1e3, None]
     assert rows["dash"]["final_val_loss_mean"] == pytest.approx((1.8 + 2.31) / 2)
-    transfer = peers.lr_transfer(records, 8, 40, dash="dash")
+    transfer = analysis.lr_transfer(records, 8, 40, dash="dash")
     assert transfer["ratio"] == 2.0 and transfer["seeds"] == [0]
     assert transfer["lost"] == pytest.approx(1.9 - 1.8)
     # The grid is extended past an edge only when the best lr is there.
@@ -201,17 +204,17 @@ def check_trains(tmp_path: Path, name: str, lr: float, steps: int = 6) -> None:
 
 @pytest.mark.parametrize("name", ["meta-shampoo-dash-recipe", "muon-match-rms"])
 def test_new_contenders_train_and_record_their_recipe(tmp_path, name):
-    contender = peers.CONTENDERS[name]
+    contender = contenders.CONTENDERS[name]
     if contender.requires is not None:
         pytest.importorskip(contender.requires, reason=f"{contender.requires} is not installed")
     check_trains(tmp_path, name, 1e-2)  # Meta's roots with DASH's recipe start at step 2
     (record,) = read(tmp_path / "peers_cpu.json")["records"]
     if name == "muon-match-rms":
         assert record["options"]["adjust_lr_fn"] == "match_rms_adamw"
-        assert contender.lrs == peers.ADAMW_LRS
+        assert contender.lrs == contenders.ADAMW_LRS
         # A Muon that does not take the option makes the contender unavailable, not a crash.
-        with pytest.raises(peers.Unavailable):
-            peers.build_muon([torch.zeros(4, 4, requires_grad=True)], 1e-2, {"adjust_lr_fn": "no_such_rule"})
+        with pytest.raises(contenders.Unavailable):
+            contenders.build_muon([torch.zeros(4, 4, requires_grad=True)], 1e-2, {"adjust_lr_fn": "no_such_rule"})
         return
     options = record["options"]
     assert {key: options[key] for key in ("root_order", "precondition_frequency", "nesterov")} == {
@@ -222,7 +225,7 @@ def test_new_contenders_train_and_record_their_recipe(tmp_path, name):
     # Read back from the built optimizer: -1/2 on each factor of a matrix, no factor on vectors, and
     # beta3 = beta1**2 (DASH's Nesterov direction), roots from step 2.
     assert options["inverse_exponent_override"] == {"1": 0.0, "2": 0.5}
-    assert options["beta3"] == pytest.approx(peers.BETAS[0] ** 2)
+    assert options["beta3"] == pytest.approx(contenders.BETAS[0] ** 2)
     assert options["start_preconditioning_step"] == 2
 
 
@@ -235,15 +238,15 @@ def test_meta_shampoo_with_dash_recipe_is_dash_on_matrices():
 
     from lightning_dash import DASH
 
-    recipe = peers.DASH_RECIPE
+    recipe = contenders.DASH_RECIPE
     assert (recipe.root_order, recipe.precondition_frequency, recipe.nesterov) == (2, 2, True)
     torch.manual_seed(0)
     # One block each (block 32), factors of full rank from the first refresh (step 2) on.
     shapes = [(24, 16), (30, 20), (16,)]
     initial = [torch.randn(shape) for shape in shapes]
     gradients = [[torch.randn(shape) for shape in shapes] for _ in range(6)]
-    shared = {"lr": 0.01, "betas": peers.BETAS, "block_size": 32}
-    shared |= {"grafting_beta2": peers.BETAS[1], "grafting_epsilon": 1e-8, "epsilon": 1e-6}
+    shared = {"lr": 0.01, "betas": contenders.BETAS, "block_size": 32}
+    shared |= {"grafting_beta2": contenders.BETAS[1], "grafting_epsilon": 1e-8, "epsilon": 1e-6}
     frequency = recipe.precondition_frequency
     ours = [p.clone().requires_grad_() for p in initial]
     dash = DASH(

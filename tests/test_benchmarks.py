@@ -17,6 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import _step_time_cases as step_cases
+import _step_time_measure as step_measure
 import common
 import convergence
 import step_time
@@ -127,20 +129,21 @@ def test_step_time_records_have_the_documented_layout(tmp_path):
             str(tmp_path),
         ]
     )
-    shapes = step_time.gpt_parameter_shapes(step_time.GPTShape(width=8, layers=1, vocab=16, context=4))
-    params, grads = step_time.make_parameters(shapes, torch.device("cpu"))
-    cases, _ = step_time.build_cases(args, max(max(s) for _, s in shapes))
-    step_time.measure(cases, params, grads, args.rounds, args.warmup, args.samples, torch.device("cpu"), verbose=False)
-    records = step_time.make_records(cases, "cpu", "tiny")
+    shapes = step_cases.gpt_parameter_shapes(step_cases.GPTShape(width=8, layers=1, vocab=16, context=4))
+    params, grads = step_cases.make_parameters(shapes, torch.device("cpu"))
+    cases, _ = step_cases.build_cases(args, max(max(s) for _, s in shapes))
+    cpu = torch.device("cpu")
+    step_measure.measure(cases, params, grads, args.rounds, args.warmup, args.samples, cpu, verbose=False)
+    records = step_measure.make_records(cases, "cpu", "tiny")
     names = [(r.optimizer, r.solver, r.block_size) for r in records]
     assert ("adamw", None, None) in names
     assert ("dash", "eigh", 8) in names and ("shampoo_loop", "newton_db", 8) in names
     assert ("dash_f10", "newton_db", 8) in names
-    path = step_time.write_records(records, tmp_path, "cpu")
+    path = step_measure.write_records(records, tmp_path, "cpu")
     assert path.name == "step_time_cpu.json"
     for record in json.loads(path.read_text()):
         check_layout(record, STEP_TIME_KEYS)
-    assert "loop / DASH" in step_time.format_table(records)
+    assert "loop / DASH" in step_measure.format_table(records)
 
 
 PEER_KEYS = {
@@ -160,8 +163,8 @@ def test_step_time_peers_suite_writes_its_layout(tmp_path):
     """``--suite peers`` end to end on the tiny model: DASH (eigh and its default solver) and
     meta_shampoo at two frequencies, records with the documented layout and ratios."""
     pytest.importorskip("distributed_shampoo", reason=NO_META)
-    assert step_time.parameter_count(step_time.model_parameter_shapes("gpt-6.6m")) == 6_646_272
-    assert step_time.model_parameter_shapes("matrices-8x1024") == [(f"matrix.{i}", (1024, 1024)) for i in range(8)]
+    assert step_cases.parameter_count(step_cases.model_parameter_shapes("gpt-6.6m")) == 6_646_272
+    assert step_cases.model_parameter_shapes("matrices-8x1024") == [(f"matrix.{i}", (1024, 1024)) for i in range(8)]
     args = step_time.parse_args(
         [
             "--suite",
@@ -179,7 +182,7 @@ def test_step_time_peers_suite_writes_its_layout(tmp_path):
         + ["--rounds", "1", "--warmup", "0", "--samples", "1", "--out", str(tmp_path)]
     )
     records = step_time.main_peers(args)
-    default = step_time.default_inverse_root_method()
+    default = step_cases.default_inverse_root_method()
     assert [(r.optimizer, r.solver, r.frequency) for r in records] == [
         ("dash", "eigh", 1),
         ("dash_default", default, 1),
@@ -199,7 +202,7 @@ def test_step_time_peers_suite_writes_its_layout(tmp_path):
             assert row["ratio"] is None
         else:
             assert row["ratio"] == pytest.approx(meta_ms / record.step_ms)
-    assert "meta / this" in step_time.format_peer_table(records)
+    assert "meta / this" in step_measure.format_peer_table(records)
 
 
 def test_meta_shampoo_matches_dash_on_matrices():
@@ -312,7 +315,7 @@ def test_build_optimizer_passes_hyperparameters_and_rejects_unknown_names():
 def test_tables_and_json(tmp_path):
     assert common.format_columns(["a", "bbb"], [["10", "2"]]) == " a  bbb\n10    2"
     assert common.markdown_table(["x", "y"], [[1, "-"]]).splitlines() == ["| x | y |", "|---|---|", "| 1 | - |"]
-    record = step_time.Record("cpu", "m", "adamw", None, None, None, 1.5)
+    record = step_measure.Record("cpu", "m", "adamw", None, None, None, 1.5)
     path = common.write_json(tmp_path / "sub" / "out.json", [record, {"k": 1}], indent=1)
     assert path.read_text().endswith("\n")
     assert json.loads(path.read_text())[1] == {"k": 1} and json.loads(path.read_text())[0]["step_ms"] == 1.5

@@ -16,8 +16,8 @@ The Composer integration lives in :mod:`lightning_dash.composer`.
 from importlib.util import find_spec
 
 from lightning_dash.distributed.demo_optimizer import DeMo
+from lightning_dash.integration.namespaces import register_strategies
 from lightning_dash.optim import DASH, DashConfig, RootComputationError
-from lightning_dash.strategies import register_strategies
 
 __all__ = ["DASH", "DashConfig", "DeMo", "RootComputationError"]
 __version__ = "0.5.0"

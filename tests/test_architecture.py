@@ -118,3 +118,15 @@ def test_no_module_over_400_lines_and_no_class_over_300():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                 too_long.append(f"{path.relative_to(PACKAGE)}: class {node.name} {node.end_lineno - node.lineno + 1}")
     assert not too_long, too_long
+
+
+@pytest.mark.parametrize(("package", "other"), [("fabric", "strategies"), ("strategies", "fabric")])
+def test_fabric_and_trainer_strategies_import_nothing_from_each_other(package, other):
+    """What both front-ends share lives in ``lightning_dash.integration``; neither reaches sideways."""
+    sideways = {
+        f"{path.name}: {module}"
+        for path in sorted((PACKAGE / package).glob("*.py"))
+        for module in imported_modules(path)
+        if module.startswith(f"lightning_dash.{other}")
+    }
+    assert not sideways, sorted(sideways)

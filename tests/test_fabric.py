@@ -137,7 +137,7 @@ def test_fabric_resolves_the_names_to_our_strategies():
 def test_standalone_lightning_fabric_gets_its_own_copies():
     for name, module in (("dash", "fabric_ddp"), ("dash_fsdp_spawn", "fabric_fsdp")):
         strategy = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy=name).strategy
-        assert type(strategy).__module__ == f"lightning_dash.strategies._lightning_fabric.{module}"
+        assert type(strategy).__module__ == f"lightning_dash.integration._lightning_fabric.{module}"
         assert isinstance(strategy, lightning_fabric.strategies.ParallelStrategy)
         assert not isinstance(strategy, lightning.fabric.strategies.ParallelStrategy)
 
@@ -228,4 +228,4 @@ def test_standalone_lightning_fabric_trains_with_dash(tmp_path, reference):
     strategy = entry["strategy"](**entry["init_params"], timeout=TIMEOUT, **DASH_OPTIONS)
     fabric = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     result = fabric.launch(train, reference, 3, save=tmp_path / "standalone.ckpt", save_at=3)
-    assert result["strategy"] == "lightning_dash.strategies._lightning_fabric.fabric_ddp"
+    assert result["strategy"] == "lightning_dash.integration._lightning_fabric.fabric_ddp"

@@ -31,7 +31,7 @@ from torch import nn
 
 import lightning_dash
 from lightning_dash import DASH, DashStrategy
-from lightning_dash.strategies.namespaces import register_strategies, standalone_module
+from lightning_dash.integration.namespaces import register_strategies, standalone_module
 
 
 def parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -302,7 +302,7 @@ def test_fabric_module_is_registered_in_both_fabric_namespaces(tmp_path, monkeyp
     assert isinstance(unified, lightning.fabric.strategies.DDPStrategy)
     assert not isinstance(unified, lightning_fabric.strategies.DDPStrategy)
     assert isinstance(standalone, lightning_fabric.strategies.DDPStrategy)
-    assert type(standalone).__module__ == "lightning_dash.strategies._lightning_fabric.dash_probe_fabric"
+    assert type(standalone).__module__ == "lightning_dash.integration._lightning_fabric.dash_probe_fabric"
     fabric = lightning_fabric.Fabric(accelerator="cpu", devices=1, strategy="dash_probe")
     assert type(fabric.strategy) is type(standalone)
 

@@ -12,6 +12,7 @@ parameters are updated elementwise on each rank's own shard.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,16 @@ def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dty
     return torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class _RankExchange:
+    """This rank's part of the row exchange: the plan, its stacks, and the row runs of both sides."""
+
+    rows: RowExchange
+    plans: list[StackPlan]
+    holder_runs: Runs
+    owner_runs: Runs
+
+
 class _RowUpdates:
     """The update rows this rank holds, received from the blocks' owners."""
 
@@ -96,18 +107,8 @@ class ShardedDistributor(ProcessGroupDistributor):
     """
 
     shards_parameters = True
-
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        communication_dtype: torch.dtype = torch.float32,
-        root_iterations: int = 10,
-    ) -> None:
-        super().__init__(process_group, communication_dtype, root_iterations)
-        self._rows: RowExchange | None = None
-        self._plans: list[StackPlan] = []
-        self._holder_runs: Runs | None = None
-        self._owner_runs: Runs | None = None
+    #: This rank's part of the exchange for the current layout (planned with the stacks).
+    _exchange: _RankExchange | None = None
 
     # ------------------------------------------------------------------ placement
     def local(self, tensor: Tensor) -> Tensor:
@@ -135,16 +136,16 @@ class ShardedDistributor(ProcessGroupDistributor):
             frequencies=[frequency for _, frequency in tiles],
             preferred=holder_preferences(regions, params, self.world_size),
         )
-        rank_plans, self._rows = plan_rank(regions, params, owners, self.world_size, self.rank)
-        self._plans = rank_plans[self.rank]
-        self._holder_runs = self._rows.holder_runs().to(self._device())
-        self._owner_runs = self._rows.owner_runs(self._plans).to(self._device())
-        return self._plans
+        rank_plans, rows = plan_rank(regions, params, owners, self.world_size, self.rank)
+        plans = rank_plans[self.rank]
+        device = self._device()
+        self._exchange = _RankExchange(rows, plans, rows.holder_runs().to(device), rows.owner_runs(plans).to(device))
+        return plans
 
     @property
     def elements_per_step(self) -> int:
         """Elements this rank sends to others in one step (0 before the first step)."""
-        return 0 if self._rows is None else self._rows.elements_sent()
+        return 0 if self._exchange is None else self._exchange.rows.elements_sent()
 
     # ------------------------------------------------------------------ exchanges
     def _all_to_all(self, send: Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Tensor:
@@ -156,14 +157,15 @@ class ShardedDistributor(ProcessGroupDistributor):
     def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
         """Send the gradient rows this rank holds to the blocks' owners; receive its blocks'.
         One gather before the ``all_to_all`` and one scatter after it, whatever the model."""
-        rows = self._rows
+        exchange = self._exchange
+        rows = exchange.rows
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         device = self._device()
         grads = [None if params[index].grad is None else _local(params[index].grad) for index in rows.held]
         held = _end_to_end(grads, [numel for _, numel in rows.held.values()], dtype, device)
-        send = held.index_select(0, self._holder_runs.positions())
+        send = held.index_select(0, exchange.holder_runs.positions())
         received = self._all_to_all(send, rows.outgoing_sizes, rows.incoming_sizes)
-        flat = received.new_empty(self._owner_runs.total).index_copy_(0, self._owner_runs.positions(), received)
+        flat = received.new_empty(exchange.owner_runs.total).index_copy_(0, exchange.owner_runs.positions(), received)
         stacks, offset = [], 0
         for plan in plans:
             numel = plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
@@ -175,22 +177,22 @@ class ShardedDistributor(ProcessGroupDistributor):
     def share_updates(self, updates: list[BlockUpdate]) -> _RowUpdates:
         """Send each block's update rows to the ranks that hold them; receive this rank's.
         One gather before the ``all_to_all``; :meth:`_RowUpdates.apply` scatters after it."""
-        rows = self._rows
+        exchange = self._exchange
         device = self._device()
         full: dict[int, Tensor] = {}
         for item in updates:
             if item.index is None:
                 full[item.stack] = item.update
             else:
-                shape = (self._plans[item.stack].num_blocks, *item.plan.block_shape)
+                shape = (exchange.plans[item.stack].num_blocks, *item.plan.block_shape)
                 stack = torch.zeros(shape, dtype=item.update.dtype, device=device)
                 full[item.stack] = stack.index_copy_(0, item.index, item.update)
         widest = torch.float64 if any(item.update.dtype == torch.float64 for item in updates) else torch.float32
-        sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in self._plans]
-        stacks = _end_to_end([full.get(stack) for stack in range(len(self._plans))], sizes, widest, device)
-        send = stacks.index_select(0, self._owner_runs.positions()).to(wire_dtype(self.communication_dtype, widest))
-        received = self._all_to_all(send, rows.incoming_sizes, rows.outgoing_sizes)
-        return _RowUpdates(rows, self._holder_runs.positions(), received)
+        sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in exchange.plans]
+        stacks = _end_to_end([full.get(stack) for stack in range(len(exchange.plans))], sizes, widest, device)
+        send = stacks.index_select(0, exchange.owner_runs.positions()).to(wire_dtype(self.communication_dtype, widest))
+        received = self._all_to_all(send, exchange.rows.incoming_sizes, exchange.rows.outgoing_sizes)
+        return _RowUpdates(exchange.rows, exchange.holder_runs.positions(), received)
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)

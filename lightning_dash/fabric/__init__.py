@@ -2,7 +2,7 @@
 
 Importing ``lightning_dash`` registers them, with their launcher variants, in Fabric's strategy registry of
 every installed namespace (``lightning.fabric`` and the standalone ``lightning_fabric``; see
-:mod:`lightning_dash.strategies.namespaces`). ``DashFabricStrategy`` and ``DashFabricFSDPStrategy`` are the
+:mod:`lightning_dash.integration.namespaces`). ``DashFabricStrategy`` and ``DashFabricFSDPStrategy`` are the
 ``lightning.fabric`` classes, for options: ``Fabric(strategy=DashFabricFSDPStrategy(block_size=512))``.
 """
 

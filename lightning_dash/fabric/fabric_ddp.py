@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _PATH, _Stateful
@@ -15,12 +13,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
-from lightning_dash.fabric.optimizers import SchedulerFollowsConversion, convert, whole_state
+from lightning_dash.fabric.optimizers import FabricDashOptimizers, convert
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
-from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.integration.trainer_options import check_data_parallel_options
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -35,24 +32,13 @@ REGISTRY_NAMES = (
 )
 
 
-def _check_ddp_options(options: dict[str, Any]) -> None:
-    """Refuse, when the strategy is built rather than when the model is wrapped, a keyword that neither
-    DDPStrategy nor DistributedDataParallel takes; one of the sharded strategies points to "dash_fsdp"."""
-    known = set(inspect.signature(DDPStrategy.__init__).parameters)
-    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
-    unknown = sorted(set(options) - known)
-    sharding = set(inspect.signature(FSDPStrategy.__init__).parameters)
-    sharding |= set(inspect.signature(ModelParallelStrategy.__init__).parameters) | {"shard_modules"}
-    if sharding.intersection(unknown):
-        raise ValueError(
-            f"DashFabricStrategy is data parallel and does not shard; {sorted(sharding.intersection(unknown))} are "
-            'options of sharded training: use Fabric(strategy="dash_fsdp") or DashFabricFSDPStrategy(...)'
-        )
-    if unknown:
-        raise TypeError(f"DashFabricStrategy got unknown option(s) {unknown}; DASH options: {sorted(OPTION_NAMES)}")
+#: What DDP takes (the strategy's and the wrapper's keywords), what only sharded strategies take, and where to go.
+DDP_TAKES = (DDPStrategy.__init__, DistributedDataParallel.__init__)
+SHARDED_STRATEGIES = (FSDPStrategy.__init__, ModelParallelStrategy.__init__)
+USE_FSDP = 'Fabric(strategy="dash_fsdp") or DashFabricFSDPStrategy(...)'
 
 
-class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
+class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
     """Fabric's DDP whose optimizers are DASH, with each Shampoo block owned by one rank.
 
     The optimizers given to ``fabric.setup(model, optimizer, ...)`` or
@@ -82,24 +68,14 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
     @accepts_dash_options
     def __init__(
         self,
-        *,
-        config: DashConfig | None = None,
-        factor_decay: float | None = None,
-        allow_custom_step: bool | None = None,
-        communication_dtype: torch.dtype | str = torch.float32,
         **kwargs: Any,
     ) -> None:
-        options = take_dash_options(kwargs)
-        _check_ddp_options(kwargs)
+        conversion = ConversionOptions.from_init(kwargs)
+        check_data_parallel_options(kwargs, type(self).__name__, DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
         super().__init__(**kwargs)
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
-        self.conversion = ConversionOptions.build(
-            config,
-            factor_decay=factor_decay,
-            allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype,
-            **options,
-        )
+        self.conversion = conversion
+        #: How the user's optimizers become DASH: the resolved overrides and conversion options.
 
     @classmethod
     @override
@@ -118,12 +94,6 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return convert(self.conversion, optimizer, modules=self.trained_modules)
-
-    @override
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, DASH):
-            return whole_state(optimizer)
-        return super().get_optimizer_state(optimizer)
 
     @override
     def load_checkpoint(
@@ -164,5 +134,5 @@ class DashFabricStrategy(SchedulerFollowsConversion, DDPStrategy):
 
 
 def register_strategies(registry: _StrategyRegistry) -> None:
-    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.integration.namespaces`)."""
     DashFabricStrategy.register_strategies(registry)

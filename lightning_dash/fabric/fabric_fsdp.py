@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,8 @@ from typing_extensions import override
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.sharded import check_row_sharded
 from lightning_dash.fabric.optimizers import (
+    FabricDashOptimizers,
     ParameterNames,
-    SchedulerFollowsConversion,
     convert,
     parameter_names,
     replace_parameters,
@@ -37,13 +36,13 @@ from lightning_dash.integration.checkpoint_files import (
     is_distributed_checkpoint,
     staged_write,
 )
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.fsdp_sharding import is_sharded, shard_model, shard_over_every_process
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
-from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.integration.trainer_options import check_fsdp_options
+from lightning_dash.optim import DASH
 from lightning_dash.optim.stacks import param_names
 from lightning_dash.optim.validation import check_choice
-from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_model
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -73,22 +72,6 @@ class ParallelizeForDash:
         return module
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    """Refuse a keyword neither DASH nor ModelParallelStrategy takes, and tensor parallelism."""
-    known = set(inspect.signature(ModelParallelStrategy.__init__).parameters) - {"self", "parallelize_fn"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(
-            f"DashFabricFSDPStrategy got unknown option(s) {unknown}; it takes {sorted(known)} "
-            f"and the DASH options {sorted(OPTION_NAMES)}"
-        )
-    if options.get("tensor_parallel_size", 1) != 1:
-        raise ValueError(
-            f"tensor_parallel_size={options['tensor_parallel_size']!r}: DashFabricFSDPStrategy shards by data "
-            "parallelism alone (tensor_parallel_size=1)"
-        )
-
-
 def _sharded_module(state: dict[str, Any]) -> tuple[str, Module]:
     """The one sharded model in a checkpoint's ``state``, and its key."""
     found = [(key, obj) for key, obj in state.items() if isinstance(obj, Module) and is_sharded(obj)]
@@ -100,7 +83,7 @@ def _sharded_module(state: dict[str, Any]) -> tuple[str, Module]:
     return found[0]
 
 
-class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
+class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
     """Fabric's FSDP2 strategy (``ModelParallelStrategy``) whose optimizers are DASH,
     each Shampoo block owned by one rank.
 
@@ -142,27 +125,18 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         self,
         parallelize_fn: Callable[[Module, DeviceMesh], Module] | None = None,
         *,
-        config: DashConfig | None = None,
-        factor_decay: float | None = None,
-        allow_custom_step: bool | None = None,
-        communication_dtype: torch.dtype | str = torch.float32,
         shard_modules: Collection[type[Module]] | None = None,
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        options = take_dash_options(kwargs)
-        _check_options(kwargs)
+        conversion = ConversionOptions.from_init(kwargs)
+        check_fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__)
         kwargs.setdefault("data_parallel_size", "auto")
         kwargs["tensor_parallel_size"] = 1
         super().__init__(parallelize_fn=ParallelizeForDash(parallelize_fn, shard_modules), **kwargs)
+        #: How the user's optimizers become DASH: the resolved overrides and conversion options.
+        self.conversion = conversion
         #: How the user's optimizers become DASH.
-        self.conversion = ConversionOptions.build(
-            config,
-            factor_decay=factor_decay,
-            allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype,
-            **options,
-        )
         self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
         #: Each module set up, with the names its parameters had before sharding.
         self._set_up: list[tuple[ParameterNames, Module]] = []
@@ -185,8 +159,7 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        shard_over_every_process(self)
         super().setup_environment()
         settle_gloo_workers_at_exit()
 
@@ -206,12 +179,6 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
         names = param_names(optimizer.param_groups) if named is not None else None
         check_row_sharded(params, names, dist.get_world_size() if dist.is_initialized() else 1)
         return convert(self.conversion, optimizer, sharded_parameters=True, modules=self.trained_modules)
-
-    @override
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, DASH):
-            return whole_state(optimizer)
-        return super().get_optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
@@ -290,5 +257,5 @@ class DashFabricFSDPStrategy(SchedulerFollowsConversion, ModelParallelStrategy):
 
 
 def register_strategies(registry: _StrategyRegistry) -> None:
-    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.integration.namespaces`)."""
     DashFabricFSDPStrategy.register_strategies(registry)

@@ -1,7 +1,7 @@
 """What both Fabric strategies do with the user's optimizers, without importing Lightning.
 
 The strategy modules are copied, renamed, for the standalone ``lightning_fabric`` package
-(:mod:`lightning_dash.strategies.namespaces`); this module is not renamed, so it imports
+(:mod:`lightning_dash.integration.namespaces`); this module is not renamed, so it imports
 no Lightning namespace.
 
 * :func:`convert` turns the optimizer given to ``fabric.setup`` into DASH over the same
@@ -23,9 +23,9 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_dash.integration.optimizer_swap import track_scheduler_calls
 from lightning_dash.integration.options import ConversionOptions
 from lightning_dash.optim import DASH
-from lightning_dash.strategies.optimizer_swap import track_scheduler_calls
 
 #: A module's parameters by identity, each with a weak reference (an id alone may be reused) and its name.
 ParameterNames = dict[int, tuple[weakref.ref, str]]
@@ -51,11 +51,12 @@ def convert(
     return dash
 
 
-class SchedulerFollowsConversion:
+class FabricDashOptimizers:
     """Fabric strategy mixin (put it before the Fabric base class): the scheduler given to
     ``fabric.setup(model, optimizer, scheduler=...)`` is pointed at the DASH its optimizer
-    became, and the modules set up are remembered (:attr:`trained_modules`) so that DASH
-    knows the model its parameters belong to."""
+    became, the modules set up are remembered (:attr:`trained_modules`) so that DASH
+    knows the model its parameters belong to, and a DASH's state is saved whole
+    (:func:`whole_state`)."""
 
     @property
     def trained_modules(self) -> list[nn.Module]:
@@ -76,6 +77,11 @@ class SchedulerFollowsConversion:
             if new is not old and getattr(scheduler, "optimizer", None) is old:
                 scheduler.optimizer = new
         return module, converted, scheduler
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, DASH):
+            return whole_state(optimizer)
+        return super().get_optimizer_state(optimizer)  # type: ignore[misc]
 
 
 def whole_state(optimizer: DASH) -> dict[str, Any]:

@@ -10,6 +10,7 @@ top-level modules that share parameters are sharded together in one call.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -125,3 +126,10 @@ def shard_module(
     for name in STEP_METHODS:
         register_fsdp_forward_method(module, name)
     return len(units) + len(roots) + 1
+
+
+def shard_over_every_process(strategy: Any) -> None:
+    """Make a ``ModelParallelStrategy``'s ``data_parallel_size="auto"`` concrete (Trainer's or Fabric's):
+    every process shards the model, since the DASH strategies do no tensor parallelism."""
+    if strategy._data_parallel_size == "auto":
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes

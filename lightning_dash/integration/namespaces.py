@@ -12,7 +12,7 @@ So each of our strategy modules is written once, against the unified package, an
   ``lightning.fabric.strategies.STRATEGY_REGISTRY`` (Fabric modules), when ``lightning`` is installed;
 * for each installed standalone package, loads a copy of the module renamed as Lightning renames its own
   (``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``, and our listed
-  modules -> their copies), e.g. ``lightning_dash.strategies._pytorch_lightning.dash_ddp``, and registers that
+  modules -> their copies), e.g. ``lightning_dash.integration._pytorch_lightning.dash_ddp``, and registers that
   copy in ``pytorch_lightning.strategies.StrategyRegistry`` or ``lightning_fabric.strategies.STRATEGY_REGISTRY``.
 
 A namespace that is not installed is not imported. The copies are importable by name (spawned ranks unpickle

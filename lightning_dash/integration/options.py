@@ -101,6 +101,16 @@ class ConversionOptions:
             overrides, factor_decay, False if allow_custom_step is None else allow_custom_step, communication_dtype
         )
 
+    @classmethod
+    def from_init(cls, keywords: dict[str, Any], config: DashConfig | None = None) -> ConversionOptions:
+        """What every front-end's constructor does first: take ``config``, the conversion arguments
+        (:data:`CONVERSION_ARGUMENTS`) and the DASH options out of its ``keywords`` (in place, so that
+        the rest can go to the trainer's base class) and resolve them (:meth:`build`)."""
+        config = keywords.pop("config", config)
+        conversion = {name: keywords.pop(name, default) for name, (_, default) in CONVERSION_ARGUMENTS.items()}
+        options = {name: keywords.pop(name) for name in list(keywords) if name in OPTION_NAMES}
+        return cls.build(config, **conversion, **options)
+
     def convert(
         self, optimizer: Optimizer, *, sharded_parameters: bool = False, model: nn.Module | None = None
     ) -> DASH:
@@ -142,28 +152,43 @@ class ConversionOptions:
         return dash
 
 
+#: The conversion arguments every front-end takes beside ``config`` and the DASH options, with their types
+#: and defaults (documented on :class:`ConversionOptions` and on each front-end).
+CONVERSION_ARGUMENTS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
+    {
+        "factor_decay": (float | None, None),
+        "allow_custom_step": (bool | None, None),
+        "communication_dtype": (torch.dtype | str, torch.float32),
+    }
+)
+
 _Init = typing.TypeVar("_Init", bound=Callable[..., None])
 
 
 def accepts_dash_options(init: _Init) -> _Init:
-    """Give an ``__init__`` that takes ``**options`` every DASH option as a keyword-only
-    parameter (default None) in its signature, read from :class:`DashConfig`, so that
-    introspection (LightningCLI's ``class_path``/``init_args``, llm-foundry, IDEs) sees
-    them without the option list being written again. The call itself is unchanged:
-    the options arrive in ``**options`` (:func:`take_dash_options` picks them out).
+    """Give an ``__init__`` that takes ``**kwargs`` the keyword-only parameters ``config``, the
+    :data:`CONVERSION_ARGUMENTS` and every DASH option (default None, read from :class:`DashConfig`) in
+    its signature, so that introspection (LightningCLI's ``class_path``/``init_args``, llm-foundry, IDEs)
+    sees them without the list being written again in each front-end. The call itself is unchanged: they
+    arrive in ``**kwargs`` (:meth:`ConversionOptions.from_init` takes them out); a front-end may declare
+    ``config`` itself (the Composer algorithm takes it by position).
     """
     signature = inspect.signature(init)
     hints = typing.get_type_hints(DashConfig)
     given = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     rest = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
-    options = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[name] | None)
-        for name in OPTION_NAMES
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    generated = (
+        []
+        if "config" in signature.parameters
+        else [inspect.Parameter("config", keyword, default=None, annotation=DashConfig | None)]
+    )
+    generated += [
+        inspect.Parameter(name, keyword, default=default, annotation=annotation)
+        for name, (annotation, default) in CONVERSION_ARGUMENTS.items()
     ]
-    init.__signature__ = signature.replace(parameters=given + options + rest)  # type: ignore[attr-defined]
+    generated += [
+        inspect.Parameter(name, keyword, default=None, annotation=hints[name] | None) for name in OPTION_NAMES
+    ]
+    init.__signature__ = signature.replace(parameters=given + generated + rest)  # type: ignore[attr-defined]
     return init
-
-
-def take_dash_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Remove the DASH options from ``kwargs`` (in place) and return them."""
-    return {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_NAMES}

@@ -246,7 +246,7 @@ class DashStateDict(torch.optim.Optimizer):
         positions = {id(p): i for i, p in enumerate(self._flat_params())}
         distributor = self._distributor
         vectors = distributor.rank == 0 or distributor.shards_parameters
-        exported = export_layout(self._layout, self.block_size, include_vectors=vectors, tiles=tiles)
+        exported = export_layout(self._layout, include_vectors=vectors, tiles=tiles)
         return {positions[id(self._layout.params[index])]: entry for index, entry in exported.items()}
 
     def _extra(self) -> dict[str, Any]:

@@ -247,7 +247,7 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
             return
         # Sharded parameters: per-tile entries, so no rank builds a whole parameter-shaped buffer.
         tiles = self._distributor.shards_parameters
-        for index, entry in export_layout(layout, self.block_size, tiles=tiles).items():
+        for index, entry in export_layout(layout, tiles=tiles).items():
             self.state[layout.params[index]].update(entry)
         self._layout = None
 

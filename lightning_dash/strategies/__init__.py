@@ -1,9 +1,9 @@
 """Lightning strategies; ``register_strategies`` adds them to every installed Lightning namespace's registry
-(:mod:`lightning_dash.strategies.namespaces`). ``DashStrategy`` is the ``lightning.pytorch`` one."""
+(:mod:`lightning_dash.integration.namespaces`). ``DashStrategy`` is the ``lightning.pytorch`` one."""
 
 from importlib.util import find_spec
 
-from lightning_dash.strategies.namespaces import register_strategies
+from lightning_dash.integration.namespaces import register_strategies
 
 __all__ = ["register_strategies"]
 

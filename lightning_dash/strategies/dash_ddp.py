@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -22,12 +21,12 @@ from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.optimizer_swap import swap_optimizers
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
-from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.integration.trainer_options import check_data_parallel_options
+from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import check_choice, check_int, check_number
-from lightning_dash.strategies.optimizer_swap import swap_optimizers
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -41,42 +40,10 @@ _UNUSED_PARAMETER_VARIANTS = (
     ("_find_unused_parameters_true", {"find_unused_parameters": True}),
 )
 
-#: Keywords of Lightning's FSDPStrategy and ModelParallelStrategy (and of FSDP2's ``fully_shard``) that mean
-#: sharded training: DDP does not take them, or (``mixed_precision``, ``device_mesh``) takes them in another sense.
-SHARDING_OPTIONS = frozenset(
-    {
-        "sharding_strategy",
-        "auto_wrap_policy",
-        "cpu_offload",
-        "mixed_precision",
-        "activation_checkpointing",
-        "activation_checkpointing_policy",
-        "state_dict_type",
-        "device_mesh",
-        "reshard_after_forward",
-        "shard_modules",
-        "data_parallel_size",
-        "tensor_parallel_size",
-        "save_distributed_checkpoint",
-    }
-)
-
-
-def _check_ddp_options(options: dict[str, Any]) -> None:
-    """Refuse a sharding keyword (pointing to the FSDP strategy) and a keyword that neither DASH, DDPStrategy
-    nor DistributedDataParallel takes: either would otherwise fail only when the model is wrapped, unrelatedly."""
-    # A value of None is DDP's "not given" (LightningCLI passes every DDP argument so).
-    sharding = sorted(name for name in SHARDING_OPTIONS.intersection(options) if options[name] is not None)
-    if sharding:
-        raise ValueError(
-            f"DashStrategy is data parallel and does not shard; {sharding} are options of sharded training: "
-            'use strategy="dash_fsdp" or lightning_dash.DashFSDPStrategy(...) for FSDP with DASH'
-        )
-    known = set(inspect.signature(DDPStrategy.__init__).parameters)
-    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"DashStrategy got unknown option(s) {unknown}; DASH options: {sorted(OPTION_NAMES)}")
+#: What DDP takes (the strategy's and the wrapper's keywords), what only sharded strategies take, and where to go.
+DDP_TAKES = (DDPStrategy.__init__, DistributedDataParallel.__init__)
+SHARDED_STRATEGIES = (FSDPStrategy.__init__, ModelParallelStrategy.__init__)
+USE_FSDP = 'strategy="dash_fsdp" or lightning_dash.DashFSDPStrategy(...) for FSDP with DASH'
 
 
 class DashStrategy(DDPStrategy):
@@ -108,8 +75,8 @@ class DashStrategy(DDPStrategy):
         demo_chunk_size: DeMo's largest chunk side.
         demo_momentum: decay of DeMo's local momentum.
         **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`; a sharding option
-            (:data:`SHARDING_OPTIONS`, e.g. ``sharding_strategy``) raises ``ValueError`` pointing to
-            ``strategy="dash_fsdp"``.
+            (:data:`~lightning_dash.integration.trainer_options.SHARDING_OPTIONS`, e.g.
+            ``sharding_strategy``) raises ``ValueError`` pointing to ``strategy="dash_fsdp"``.
     """
 
     strategy_name = "dash"
@@ -118,27 +85,17 @@ class DashStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        config: DashConfig | None = None,
-        factor_decay: float | None = None,
-        allow_custom_step: bool | None = None,
-        communication_dtype: torch.dtype | str = torch.float32,
         gradient_sync: str = "allreduce",
         demo_topk: int = 32,
         demo_chunk_size: int = 64,
         demo_momentum: float = 0.999,
         **kwargs: Any,
     ) -> None:
-        options = take_dash_options(kwargs)
-        _check_ddp_options(kwargs)
+        conversion = ConversionOptions.from_init(kwargs)
+        check_data_parallel_options(kwargs, type(self).__name__, DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
         super().__init__(**kwargs)
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
-        self.conversion = ConversionOptions.build(
-            config,
-            factor_decay=factor_decay,
-            allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype,
-            **options,
-        )
+        self.conversion = conversion
         self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
         self.demo_options = {
             "topk": check_int("demo_topk", demo_topk, low=1),
@@ -322,5 +279,5 @@ class DashStrategy(DDPStrategy):
 
 
 def register_strategies(registry: _StrategyRegistry) -> None:
-    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.strategies.namespaces`)."""
+    """Add this module's strategies to ``registry`` (the convention of :mod:`lightning_dash.integration.namespaces`)."""
     DashStrategy.register_strategies(registry)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
 from collections.abc import Callable, Collection
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -31,14 +29,14 @@ from lightning_dash.integration.checkpoint_files import (
     is_distributed_checkpoint,
     staged_write,
 )
-from lightning_dash.integration.options import ConversionOptions, accepts_dash_options, take_dash_options
+from lightning_dash.integration.fsdp_sharding import is_sharded, shard_module, shard_over_every_process
+from lightning_dash.integration.optimizer_swap import swap_optimizers
+from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.integration.traffic import fsdp_bytes_per_step
-from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.integration.trainer_options import check_fsdp_options
+from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import check_choice
-from lightning_dash.strategies.fsdp_sharding import is_sharded, shard_module
-from lightning_dash.strategies.optimizer_swap import swap_optimizers
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):
@@ -60,22 +58,6 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    """Refuse a keyword neither DASH nor ModelParallelStrategy takes, and tensor parallelism."""
-    known = set(inspect.signature(ModelParallelStrategy.__init__).parameters) - {"self"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(
-            f"DashFSDPStrategy got unknown option(s) {unknown}; it takes {sorted(known)} "
-            f"and the DASH options {sorted(OPTION_NAMES)}"
-        )
-    if options.get("tensor_parallel_size", 1) != 1:
-        raise ValueError(
-            f"tensor_parallel_size={options['tensor_parallel_size']!r}: DashFSDPStrategy shards by data "
-            "parallelism alone (tensor_parallel_size=1)"
-        )
-
-
 class DashFSDPStrategy(ModelParallelStrategy):
     """FSDP2 (``fully_shard``) whose optimizer is DASH, each Shampoo block owned by one rank.
 
@@ -83,7 +65,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
     unchanged one is sharded here as it is written, ties kept: every child of each
     ``nn.ModuleList`` (or each instance of ``shard_modules``), then the module's callable
     children, then what remains at the module itself
-    (:func:`~lightning_dash.strategies.fsdp_sharding.shard_module`). The optimizer of
+    (:func:`~lightning_dash.integration.fsdp_sharding.shard_module`). The optimizer of
     ``configure_optimizers`` is converted as under ``strategy="dash"`` (its schedulers
     keep working). After FSDP2's reduce-scatter, each block's gradient rows travel to
     its owner (one ``all_to_all``) and the update rows come back (a second one), so the
@@ -111,27 +93,17 @@ class DashFSDPStrategy(ModelParallelStrategy):
     def __init__(
         self,
         *,
-        config: DashConfig | None = None,
-        factor_decay: float | None = None,
-        allow_custom_step: bool | None = None,
-        communication_dtype: torch.dtype | str = torch.float32,
         shard_modules: Collection[type[nn.Module]] | None = None,
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        options = take_dash_options(kwargs)
-        _check_options(kwargs)
+        conversion = ConversionOptions.from_init(kwargs)
+        check_fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__)
         kwargs.setdefault("data_parallel_size", "auto")
         kwargs["tensor_parallel_size"] = 1
         super().__init__(**kwargs)
-        #: How the optimizer of ``configure_optimizers`` becomes DASH.
-        self.conversion = ConversionOptions.build(
-            config,
-            factor_decay=factor_decay,
-            allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype,
-            **options,
-        )
+        #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
+        self.conversion = conversion
         self.shard_modules = tuple(shard_modules) if shard_modules else None
         self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
         #: FSDP2's gradient and parameter traffic per step (from the collectives' sizes) and
@@ -160,8 +132,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # every process shards the model (no tensor parallelism)
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        shard_over_every_process(self)
         super().setup_environment()
         settle_gloo_workers_at_exit()
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import ensure_tuple
 
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.optim import DASH, DashConfig
+from lightning_dash.optim.config import check_option_names
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +60,11 @@ class Dash(Algorithm):
     def __init__(
         self,
         config: DashConfig | None = None,
-        *,
-        factor_decay: float | None = None,
-        allow_custom_step: bool | None = None,
-        communication_dtype: torch.dtype | str = torch.float32,
         **options: Any,
     ) -> None:
         #: How the trainer's optimizer becomes DASH: the resolved overrides and conversion options.
-        self.conversion = ConversionOptions.build(
-            config,
-            factor_decay=factor_decay,
-            allow_custom_step=allow_custom_step,
-            communication_dtype=communication_dtype,
-            **options,
-        )
+        self.conversion = ConversionOptions.from_init(options, config)
+        check_option_names(options)  # a name left over is no DASH option
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
         self.optimizer: DASH | None = None
 

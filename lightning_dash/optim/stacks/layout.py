@@ -108,8 +108,9 @@ def _whole(tensor: Tensor) -> Tensor:
 class Layout:
     """Every parameter (flat, in ``param_groups`` order) and where its state lives.
 
-    ``local`` gives the part of a parameter or gradient this rank updates elementwise
-    (the whole tensor unless parameters are sharded across ranks).
+    ``block_size`` is the side of the tiles the stacks hold. ``local`` gives the part of a
+    parameter or gradient this rank updates elementwise (the whole tensor unless parameters
+    are sharded across ranks).
     """
 
     params: list[Tensor]
@@ -119,6 +120,7 @@ class Layout:
     stacks: list[Stack]
     vectors: list[VectorGroup]
     views: list[MatrixView | None]
+    block_size: int
     local: Callable[[Tensor], Tensor] = _whole
 
     def preconditioned(self, index: int) -> bool:
@@ -174,12 +176,10 @@ def build_layout(
                         part = local_part(params[index], saved[index][name])
                         flat[offset : offset + numel].copy_(local(part).reshape(-1))
             vectors.append(VectorGroup(group_index, indices, offsets, numels, momentum, rms))
-    return Layout(params, group_of, names, steps, stacks, vectors, views, local)
+    return Layout(params, group_of, names, steps, stacks, vectors, views, block_size, local)
 
 
-def export_layout(
-    layout: Layout, block_size: int, include_vectors: bool = True, tiles: bool = False
-) -> dict[int, dict[str, Tensor]]:
+def export_layout(layout: Layout, include_vectors: bool = True, tiles: bool = False) -> dict[int, dict[str, Tensor]]:
     """Per-parameter copies of the layout's state, keyed by flat parameter index.
 
     One-dimensional parameters are replicated on every rank when parameters are whole;
@@ -189,7 +189,10 @@ def export_layout(
     """
     out: dict[int, dict[str, Tensor]] = {}
     for stack in layout.stacks:
-        (export_tiles if tiles else export_stack)(stack.plan, stack.state, layout.params, block_size, out)
+        if tiles:
+            export_tiles(stack.plan, stack.state, layout.block_size, out)
+        else:
+            export_stack(stack.plan, stack.state, layout.params, layout.block_size, out)
     for vector in layout.vectors if include_vectors else []:
         for index, offset, numel in zip(vector.param_indices, vector.offsets, vector.numels):
             shape = layout.local(layout.params[index]).shape

@@ -140,13 +140,7 @@ def tile_key(name: str, tile: tuple[int, int]) -> str:
     return f"{name}_{tile[0]}_{tile[1]}"
 
 
-def export_tiles(
-    plan: StackPlan,
-    state: StackState,
-    params: list[Tensor],
-    block_size: int,
-    out: dict[int, dict[str, Tensor]],
-) -> None:
+def export_tiles(plan: StackPlan, state: StackState, block_size: int, out: dict[int, dict[str, Tensor]]) -> None:
     """Add copies of a stack's state to ``out[param_index]``, every statistic of every
     tile under its own key (``momentum_i_j``, ``root_valid_i_j``, ... as well as the
     factors): the form in which each rank writes only the blocks it owns."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
+import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,3 +39,15 @@ def peer_versions() -> dict[str, str]:
 def race_environment() -> dict[str, str | int]:
     """A race run's environment (``peers.py``): :func:`peer_versions`, torch's threads and the CPU."""
     return peer_versions() | {"threads": torch.get_num_threads(), "cpu": cpu_name(platform.machine())}
+
+
+def suite_environment() -> dict[str, Any]:
+    """A suite run's environment (``families.py``): versions, the machine, its load and the date."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }

@@ -8,9 +8,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from _curves import Point, first_reaching
 from _peers_contenders import TRANSFER_DASH
 from _peers_train import finite_or_none
-from convergence import Point, first_reaching
 
 
 # ---------------------------------------------------------------------- records

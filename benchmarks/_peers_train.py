@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from _curves import Point
 from _environment import race_environment
 from _peers_contenders import (
     TIMING_WINDOW,
@@ -21,7 +22,6 @@ from _peers_contenders import (
 )
 from _timing import robust_step_ms, window_ms
 from common import synchronize
-from convergence import Point
 from torch import Tensor
 
 from lightning_dash import RootComputationError

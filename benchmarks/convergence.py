@@ -62,6 +62,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _curves import Point, first_reaching
+from _timing import robust_step_ms
 from common import (
     OPTIMIZERS,
     RESULTS_DIR,
@@ -101,15 +103,6 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Point:
-    """One evaluation: optimizer steps done, training seconds so far, validation loss."""
-
-    step: int
-    wall_s: float
-    val_loss: float
-
-
-@dataclass(frozen=True)
 class Run:
     """One training run and its evaluations (the last one at the final step)."""
 
@@ -117,7 +110,7 @@ class Run:
     lr: float
     seed: int
     curve: list[Point]
-    #: median over 10-step windows of the mean step time (see :func:`robust_step_ms`)
+    #: median over 10-step windows of the mean step time (see :func:`_timing.robust_step_ms`)
     median_step_ms: float
 
     @property
@@ -211,20 +204,7 @@ def train_run(
         if step % settings.eval_every == 0 or step == settings.steps:
             loss = math.nan if failed else evaluate(model, corpus, settings)
             curve.append(Point(step, trained_s, loss))
-    return Run(optimizer_name, lr, seed, curve, robust_step_ms(step_s))
-
-
-def robust_step_ms(step_s: list[float], window: int = DASH_FREQUENCY) -> float:
-    """Median over consecutive ``window``-step windows of the mean step time, in ms.
-
-    Each window holds one of DASH's root steps, so roots stay amortised, while a
-    window slowed down by another process on a shared machine does not count.
-    """
-    windows = [step_s[i : i + window] for i in range(0, len(step_s), window)]
-    full = [w for w in windows if len(w) == window] or windows
-    if not full:
-        return math.nan
-    return 1e3 * statistics.median(sum(w) / len(w) for w in full)
+    return Run(optimizer_name, lr, seed, curve, robust_step_ms(step_s, DASH_FREQUENCY))
 
 
 def warm_up(corpus: ByteCorpus, settings: Settings, device: torch.device) -> None:
@@ -257,11 +237,6 @@ def best_lrs(runs: list[Run]) -> dict[str, float]:
 def adamw_targets(runs: list[Run], adamw_lr: float) -> dict[int, float]:
     """Per seed, AdamW's final validation loss at its best learning rate."""
     return {run.seed: run.final_val_loss for run in runs if run.optimizer == "adamw" and run.lr == adamw_lr}
-
-
-def first_reaching(curve: list[Point], target: float) -> Point | None:
-    """The first evaluation after step 0 with validation loss at or below ``target``."""
-    return next((point for point in curve if point.step > 0 and point.val_loss <= target), None)
 
 
 def make_records(runs: list[Run], device_name: str) -> list[Record]:

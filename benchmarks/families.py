@@ -31,8 +31,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _environment import suite_environment  # noqa: E402
+from _families_report import table, timing_table  # noqa: E402
 from common import RESULTS_DIR, format_columns, markdown_table, write_json  # noqa: E402
 from family_models import FAMILIES, Family  # noqa: E402
 from typing_extensions import override  # noqa: E402
@@ -354,51 +354,6 @@ def timing_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The quality table: final loss against AdamW's, divergences, steps to AdamW's final loss per seed.
-    (Times are in :func:`timing_table`: the suite's own runs share the machine.)"""
-    header = ["family", "contender", "lr", "final val", "x AdamW", "diverged", "steps to AdamW (per seed)"]
-    body = [
-        [
-            row["family"],
-            row["contender"],
-            f"{row['lr']:.0e}",
-            f"{row['final_val']:.4f}",
-            f"{row['ratio_to_adamw']:.3f}",
-            str(row["diverged"]),
-            "/".join("-" if v is None else str(v) for v in row["steps_to_adamw"]),
-        ]
-        for row in rows
-    ]
-    return header, body
-
-
-def timing_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The timing rounds' table (see :func:`timing_rows`)."""
-    header = [
-        "family",
-        "contender",
-        "step ms",
-        "x AdamW step",
-        "roots' share",
-        "training s",
-        "s to AdamW's final loss",
-    ]
-    body = [
-        [
-            row["family"],
-            row["contender"],
-            f"{row['step_ms']:.1f}",
-            f"{row['step_ratio']:.2f}",
-            "" if row.get("roots_share") is None else f"{row['roots_share']:.2f}",
-            f"{row['train_s']:.1f}",
-            "-" if row["seconds_to_adamw"] is None else f"{row['seconds_to_adamw']:.1f}",
-        ]
-        for row in rows
-    ]
-    return header, body
-
-
 #: Contenders the plot shows (the others stay in the JSON): AdamW, the defaults and version 0.4's.
 PLOTTED = ("adamw", "dash", "dash-v0.4", "v0.4-code")
 
@@ -435,17 +390,6 @@ def plot(records: list[dict], rows: list[dict], path: Path) -> Path | None:
     figure.savefig(path, dpi=90)
     plt.close(figure)
     return path
-
-
-def environment() -> dict[str, Any]:
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -507,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if timing:
         print(format_columns(*timing_table(timing)))
     summary = {
-        "environment": environment(),
+        "environment": suite_environment(),
         "families": {f: FAMILIES[f].description for f in args.families},
         "adamw_grids": grids,
         "variants": {name: variants.get(name) for name in contenders},

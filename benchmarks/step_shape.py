@@ -39,8 +39,8 @@ from torch.distributed.tensor import distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _meta_shampoo
+from _step_time_cases import GPTShape, gpt_parameter_shapes, make_parameters, set_gradients
 from common import RESULTS_DIR, format_columns, write_json
-from step_time import GPTShape, gpt_parameter_shapes, make_parameters, set_gradients
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor

@@ -17,35 +17,36 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import _roofline_counts as counts
 import roofline
 
 
 def test_statistics_and_direction_flops_of_one_square_block():
     # L += G G^T and R += G^T G: two 1024^3 products of 2 FLOPs per multiply-add.
-    assert roofline.statistics_flops(1024, 1024) == 2 * 2 * 1024**3
-    assert roofline.direction_flops(1024, 1024) == 2 * 2 * 1024**3
+    assert counts.statistics_flops(1024, 1024) == 2 * 2 * 1024**3
+    assert counts.direction_flops(1024, 1024) == 2 * 2 * 1024**3
     # A 1024 x 256 block: G G^T is 1024 x 1024 over 256 (2 * 1024^2 * 256), G^T G is 256 x 256 over 1024.
-    assert roofline.statistics_flops(1024, 256) == 2 * 1024 * 1024 * 256 + 2 * 256 * 256 * 1024
+    assert counts.statistics_flops(1024, 256) == 2 * 1024 * 1024 * 256 + 2 * 256 * 256 * 1024
 
 
 @pytest.mark.parametrize("block_size", [1024, 512, 1000])
-@pytest.mark.parametrize("model", list(roofline.MODELS))
+@pytest.mark.parametrize("model", list(counts.MODELS))
 def test_blocks_cover_every_matrix_parameter_once(model, block_size):
-    shapes = [shape for _, shape in roofline.MODELS[model]]
-    blocks = roofline.block_counts(shapes, block_size)
+    shapes = [shape for _, shape in counts.MODELS[model]]
+    blocks = counts.block_counts(shapes, block_size)
     matrix_elements = sum(math.prod(shape) for shape in shapes if len(shape) >= 2)
     assert sum(rows * cols * n for (rows, cols), n in blocks.items()) == matrix_elements
     assert all(rows <= block_size and cols <= block_size for rows, cols in blocks)
     tiles = sum(math.ceil(s[0] / block_size) * math.ceil(math.prod(s[1:]) / block_size) for s in shapes if len(s) >= 2)
     assert sum(blocks.values()) == tiles
-    assert roofline.vector_elements(shapes) + matrix_elements == sum(math.prod(shape) for shape in shapes)
+    assert counts.vector_elements(shapes) + matrix_elements == sum(math.prod(shape) for shape in shapes)
 
 
 def test_published_parameter_counts():
-    count = {name: sum(math.prod(shape) for _, shape in shapes) for name, shapes in roofline.MODELS.items()}
+    count = {name: sum(math.prod(shape) for _, shape in shapes) for name, shapes in counts.MODELS.items()}
     assert count["gpt2-125m"] == 124_439_808  # GPT-2 small, head tied to the embedding
     assert count["llama3-8b"] == 8_030_261_248  # Meta-Llama-3-8B
-    llama = dict(roofline.MODELS["llama3-8b"])
+    llama = dict(counts.MODELS["llama3-8b"])
     assert llama["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
     assert llama["model.layers.0.mlp.down_proj.weight"] == (4096, 14336)
     assert llama["lm_head.weight"] == (128256, 4096)
@@ -58,20 +59,20 @@ def test_adamw_bytes_per_element():
     for param_bytes in (2, 4):
         reads = 2 * param_bytes + 2 * 4
         writes = param_bytes + 2 * 4
-        assert roofline.adamw_bytes_per_element(param_bytes) == reads + writes
-    assert roofline.adamw_bytes_per_element(2) == 22 and roofline.adamw_bytes_per_element(4) == 28
+        assert counts.adamw_bytes_per_element(param_bytes) == reads + writes
+    assert counts.adamw_bytes_per_element(2) == 22 and counts.adamw_bytes_per_element(4) == 28
 
 
 def test_commit_passes_of_one_block():
     # momentum, second moment (m x n each), L (m x m), R (n x n): read old, read new, write, in fp32.
-    assert roofline.block_commit_bytes(1024, 256) == 3 * 4 * (2 * 1024 * 256 + 1024**2 + 256**2)
+    assert counts.block_commit_bytes(1024, 256) == 3 * 4 * (2 * 1024 * 256 + 1024**2 + 256**2)
 
 
 def test_newton_root_flops_follow_the_planned_iterations():
-    iterations = roofline.newton_db_iterations(torch.float32, 1024)
+    iterations = counts.newton_db_iterations(torch.float32, 1024)
     assert 2 <= iterations <= 2 * 40  # two passes, each at most the planner's maximum
-    assert roofline.newton_db_iterations(torch.bfloat16, 1024) < iterations  # a higher noise floor: fewer steps
-    assert roofline.newton_root_flops(1024, iterations) == 4 * (iterations - 1) * 2 * 1024**3
+    assert counts.newton_db_iterations(torch.bfloat16, 1024) < iterations  # a higher noise floor: fewer steps
+    assert counts.newton_root_flops(1024, iterations) == 4 * (iterations - 1) * 2 * 1024**3
 
 
 def test_roofline_takes_the_binding_limit():

@@ -17,16 +17,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
-from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
+from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
+from lightning_dash.integration.demo_gradient_sync import DemoGradientSync
 from lightning_dash.integration.optimizer_swap import swap_optimizers
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
 from lightning_dash.integration.trainer_options import check_data_parallel_options
 from lightning_dash.optim import DASH
-from lightning_dash.optim.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -96,16 +95,24 @@ class DashStrategy(DDPStrategy):
         super().__init__(**kwargs)
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = conversion
-        self.gradient_sync = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
-        self.demo_options = {
-            "topk": check_int("demo_topk", demo_topk, low=1),
-            "chunk_size": check_int("demo_chunk_size", demo_chunk_size, low=1),
-            "momentum": check_number("demo_momentum", demo_momentum, low=0.0, high=1.0, high_open=True),
-        }
+        #: Bytes of gradient synchronisation and of DASH's block exchange, and optimizer steps, of this run.
         self.comm_stats = CommStats()
         #: Optimizer steps restored from a checkpoint (``comm_stats`` counts this run only).
         self.resumed_steps = 0
-        self._demo: DemoSynchronizer | None = None
+        #: The ``gradient_sync`` option at every moment of a run: DDP's hook, each step, checkpoints.
+        self._gradient_sync = DemoGradientSync(
+            gradient_sync, demo_topk, demo_chunk_size, demo_momentum, stats=self.comm_stats
+        )
+
+    @property
+    def gradient_sync(self) -> str:
+        """``"allreduce"`` or ``"demo"``."""
+        return self._gradient_sync.mode
+
+    @property
+    def demo_options(self) -> dict[str, Any]:
+        """DeMo's ``topk``, ``chunk_size`` and ``momentum`` (used with ``gradient_sync="demo"``)."""
+        return self._gradient_sync.options
 
     @classmethod
     @override
@@ -155,8 +162,7 @@ class DashStrategy(DDPStrategy):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            if self.gradient_sync == "demo":
-                self._demo = DemoSynchronizer(**self.demo_options)
+            self._gradient_sync.start()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
@@ -167,19 +173,13 @@ class DashStrategy(DDPStrategy):
         super().configure_ddp()
         # DDP synchronises only the parameters that required grad when it was built.
         self._ddp_synchronised = {id(p) for p in self.model.parameters() if p.requires_grad}
-        if self.gradient_sync == "demo":
-            self._demo = DemoSynchronizer(**self.demo_options)
-            self.model.register_comm_hook(self.comm_stats, local_gradient_hook)
-        elif self.world_size > 1:
-            self.model.register_comm_hook(self.comm_stats, counting_allreduce_hook)
+        self._gradient_sync.attach(self.model, self.world_size)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_with_late_parameters() -> Any:
             result = closure()
-            if self._demo is not None:
-                self._demo_synchronise()
-            else:
+            if not self._gradient_sync.synchronise(self.lightning_module.parameters()):
                 self._average_unsynchronised_gradients()
             self.comm_stats.steps += 1
             return result
@@ -189,27 +189,9 @@ class DashStrategy(DDPStrategy):
         self.comm_stats.optimizer_bytes_sent = float(getattr(getattr(dash, "distributor", None), "bytes_sent", 0))
         return result
 
-    def _demo_synchronise(self) -> None:
-        """Replace every local gradient by DeMo's decoded mean of the ranks' fast components."""
-        keyed = [(i, p) for i, p in enumerate(self.lightning_module.parameters()) if p.grad is not None]
-        keys, params = [i for i, _ in keyed], [p for _, p in keyed]
-        synchronised = self._demo.synchronize([p.grad for p in params], keys)
-        for param, value in zip(params, synchronised):
-            param.grad.copy_(value)
-        self.comm_stats.record(self._demo.last_bytes_sent, self._demo.last_bytes_received)
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Every rank's DeMo momentum differs; rank 0 stores all of them (collective).
-        if self._demo is not None:
-            local = self._demo.state_dict()
-            if self.world_size > 1:
-                gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
-                dist.gather_object(local, gathered, dst=0)
-            else:
-                gathered = [local]
-            if self.global_rank == 0:
-                checkpoint["demo_synchronizer_states"] = gathered
+        self._gradient_sync.save(checkpoint, self.global_rank, self.world_size)  # collective
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -229,14 +211,7 @@ class DashStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         self.resumed_steps = int(checkpoint.get("global_step", 0))
-        states = checkpoint.get("demo_synchronizer_states")
-        if self._demo is not None and states is not None:
-            if len(states) != self.world_size:
-                raise ValueError(
-                    f"the checkpoint holds DeMo momenta of {len(states)} ranks but this run has {self.world_size}; "
-                    "resume DeMo runs on the same world size"
-                )
-            self._demo.load_state_dict(states[self.global_rank])
+        self._gradient_sync.load(checkpoint, self.global_rank, self.world_size)
 
     def _average_unsynchronised_gradients(self) -> None:
         """Average the gradients DDP does not know about (parameters unfrozen after
@@ -268,14 +243,7 @@ class DashStrategy(DDPStrategy):
         super().teardown()
 
     def _convert(self, optimizer: Optimizer) -> DASH:
-        dash = self.conversion.convert(optimizer, model=self.lightning_module)
-        if self.gradient_sync == "demo":
-            # DeMo's error-feedback accumulator already is the momentum of the signal DASH
-            # receives; a second momentum on top of it slows training (measured in
-            # benchmarks/demo_sync.py), so DASH steps on the decoded direction directly.
-            for group in dash.param_groups:
-                group["betas"] = (0.0, group["betas"][1])
-        return dash
+        return self._gradient_sync.adapt(self.conversion.convert(optimizer, model=self.lightning_module))
 
 
 def register_strategies(registry: _StrategyRegistry) -> None:

@@ -1,4 +1,4 @@
-"""lightning-dash: fast batched Shampoo (DASH) for plain PyTorch, Lightning and Composer.
+"""The lightning-dash package: fast batched Shampoo (DASH) for plain PyTorch, Lightning and Composer.
 
 ``from lightning_dash import DASH, DashConfig`` needs torch alone. Importing the package
 registers ``strategy="dash"`` (and ``"dash_spawn"``, ``"dash_fork"``, ``"dash_notebook"``,

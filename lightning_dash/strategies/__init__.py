@@ -1,5 +1,8 @@
-"""Lightning strategies; ``register_strategies`` adds them to every installed Lightning namespace's registry
-(:mod:`lightning_dash.integration.namespaces`). ``DashStrategy`` is the ``lightning.pytorch`` one."""
+"""Lightning Trainer strategies: ``Trainer(strategy="dash")`` (DDP) and ``Trainer(strategy="dash_fsdp")`` (FSDP2).
+
+``register_strategies`` adds them to every installed Lightning namespace's registry
+(:mod:`lightning_dash.integration.namespaces`). ``DashStrategy`` is the ``lightning.pytorch`` one.
+"""
 
 from importlib.util import find_spec
 

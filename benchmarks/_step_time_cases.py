@@ -298,17 +298,7 @@ def dash_peer_case(
 
     name, solver_name = ("dash", solver) if solver is not None else ("dash_default", default_inverse_root_method())
     name = "dash_compiled" if compiled else name
-    return Case(
-        name,
-        solver_name,
-        None,
-        settings.block_size,
-        build,
-        steps_per_sample=frequency,
-        model=model,
-        frequency=frequency,
-        min_warmup=_meta_shampoo.start_preconditioning_step(frequency),
-    )
+    return peer_case(name, solver_name, model, frequency, settings, build)
 
 
 def meta_shampoo_case(model: str, frequency: int, settings: PeerSettings = PEERS) -> Case:
@@ -325,9 +315,22 @@ def meta_shampoo_case(model: str, frequency: int, settings: PeerSettings = PEERS
             grafting_epsilon=settings.grafting_epsilon,
         )
 
+    return peer_case("meta_shampoo", "eigh", model, frequency, settings, build)
+
+
+def peer_case(
+    name: str,
+    solver: str,
+    model: str,
+    frequency: int,
+    settings: PeerSettings,
+    build: Callable[[list[Tensor]], torch.optim.Optimizer],
+) -> Case:
+    """A case of the peers suite: a sample is one root period of ``frequency`` steps, after at least
+    Meta's Shampoo's own warm-up before its first roots."""
     return Case(
-        "meta_shampoo",
-        "eigh",
+        name,
+        solver,
         None,
         settings.block_size,
         build,

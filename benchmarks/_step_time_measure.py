@@ -82,20 +82,6 @@ def run_case(
 Tensors = tuple[list[Tensor], list[Tensor]]
 
 
-def measure(
-    cases: list[Case],
-    params: list[Tensor],
-    grads: list[Tensor],
-    rounds: int,
-    warmup: int,
-    samples: int,
-    device: torch.device,
-    verbose: bool = True,
-) -> None:
-    """Interleaved rounds over all cases, on the same parameters; see :func:`measure_models`."""
-    measure_models(cases, {None: (params, grads)}, rounds, warmup, samples, device, verbose)
-
-
 def measure_models(
     cases: list[Case],
     tensors: dict[str | None, Tensors],
@@ -106,7 +92,8 @@ def measure_models(
     verbose: bool = True,
 ) -> None:
     """Interleaved rounds over all cases, each on the parameters and gradients of its model
-    (``tensors[case.model]``); a case that raises is skipped with its reason."""
+    (``tensors[case.model]``; ``tensors[None]`` in the solvers suite, whose cases share one model);
+    a case that raises is skipped with its reason."""
     for round_index in range(rounds):
         order = list(cases)
         random.Random(round_index).shuffle(order)

@@ -9,6 +9,7 @@ checkout on ``PYTHONPATH`` (``damping.py``, ``compare_revisions.py``) still impo
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -116,6 +117,15 @@ def validation_loss(
 
 
 # ---------------------------------------------------------------------- output
+def results_parser(description: str, device_default: str | None, device_help: str) -> argparse.ArgumentParser:
+    """A script's argument parser with the flags every results-writing benchmark takes: ``--device``
+    (``device_default``, described by ``device_help``) and ``--out``, the results folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default=device_default, help=device_help)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
+    return parser
+
+
 def format_columns(header: list[str], rows: list[list[str]]) -> str:
     """A plain-text table: every cell right-aligned to its column's widest, two spaces between."""
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]

@@ -60,6 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _environment import cpu_name
 from common import RESULTS_DIR, format_columns, write_json
 
 BENCHMARKS = Path(__file__).resolve().parent
@@ -211,23 +212,12 @@ def format_summary(cases: list[dict]) -> str:
 def machine() -> dict:
     return {
         "platform": platform.platform(),
-        "processor": cpu_name(),
+        "processor": cpu_name(platform.processor()),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one, else what ``platform`` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ---------------------------------------------------------------------- main

@@ -66,11 +66,11 @@ from _curves import Point, first_reaching
 from _timing import robust_step_ms
 from common import (
     OPTIMIZERS,
-    RESULTS_DIR,
     build_optimizer,
     device_label,
     format_columns,
     resolve_device,
+    results_parser,
     synchronize,
     validation_loss,
     warmup_cosine,
@@ -397,9 +397,7 @@ def write_outputs(runs: list[Run], records: list[Record], out_dir: Path, device_
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = Settings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
+    parser = results_parser(__doc__.splitlines()[0], None, "cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     parser.add_argument("--dash-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])

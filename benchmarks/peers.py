@@ -129,7 +129,7 @@ from _peers_analysis import best_lr, load_records, lr_sweep, merge, record_key, 
 from _peers_contenders import CONTENDERS, GRAFTED_LRS, LARGE_DEFAULT, Contender, Unavailable
 from _peers_report import fmt, report, write_results
 from _peers_train import Data, Settings, load_data, train_run, unavailable_record
-from common import RESULTS_DIR, device_label, resolve_device
+from common import device_label, resolve_device, results_parser
 
 
 # ---------------------------------------------------------------------- protocol
@@ -183,9 +183,7 @@ def parse_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = Settings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
+    parser = results_parser(__doc__.splitlines()[0], "cpu", "cpu, cuda, ... (default: cpu)")
     parser.add_argument(
         "--optimizers",
         type=parse_list,

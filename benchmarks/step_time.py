@@ -103,21 +103,18 @@ from _step_time_measure import (
     format_table,
     make_peer_records,
     make_records,
-    measure,
     measure_models,
     run_suite,
     write_peer_records,
     write_records,
 )
-from common import RESULTS_DIR, device_label, resolve_device
+from common import device_label, resolve_device, results_parser
 
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
+    parser = results_parser(__doc__.splitlines()[0], None, "cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument(
         "--suite",
         choices=SUITES,
@@ -209,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         cases,
         notes,
         f"{len(cases)} configurations x {args.rounds} rounds (warm-up {args.warmup}, samples {args.samples})",
-        lambda: measure(cases, params, grads, args.rounds, args.warmup, args.samples, device),
+        lambda: measure_models(cases, {None: (params, grads)}, args.rounds, args.warmup, args.samples, device),
         "step ms: minimum over samples; loop / DASH: shampoo_loop's time over DASH's (same solver, dtype, block); "
         "dash_f10 is amortised over its 10-step period; spread: max / min of the samples",
         lambda: make_records(cases, device_name, args.model),

@@ -134,7 +134,8 @@ def test_step_time_records_have_the_documented_layout(tmp_path):
     params, grads = step_cases.make_parameters(shapes, torch.device("cpu"))
     cases, _ = step_cases.build_cases(args, max(max(s) for _, s in shapes))
     cpu = torch.device("cpu")
-    step_measure.measure(cases, params, grads, args.rounds, args.warmup, args.samples, cpu, verbose=False)
+    tensors = {None: (params, grads)}
+    step_measure.measure_models(cases, tensors, args.rounds, args.warmup, args.samples, cpu, verbose=False)
     records = step_measure.make_records(cases, "cpu", "tiny")
     names = [(r.optimizer, r.solver, r.block_size) for r in records]
     assert ("adamw", None, None) in names

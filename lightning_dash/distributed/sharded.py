@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank, row_range
 from lightning_dash.optim.distributor import BlockUpdate, masked
-from lightning_dash.optim.stacks import GRAFTING_RMS, MOMENTUM, Region, StackPlan, state_dtype
+from lightning_dash.optim.stacks import GRAFTING_RMS, MOMENTUM, Region, StackPlan, working_dtype
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -170,7 +170,7 @@ class ShardedDistributor(ProcessGroupDistributor):
         for plan in plans:
             numel = plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
             stack = flat[offset : offset + numel].view(plan.num_blocks, *plan.block_shape)
-            stacks.append(stack.to(state_dtype(params[plan.regions[0].param_index])))
+            stacks.append(stack.to(working_dtype(params[plan.regions[0].param_index])))
             offset += numel
         return stacks
 

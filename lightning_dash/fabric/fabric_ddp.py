@@ -13,8 +13,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
-from lightning_dash.fabric.optimizers import FabricDashOptimizers, convert
+from lightning_dash.fabric.optimizers import FabricDashOptimizers, LoadTarget, convert
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
+from lightning_dash.integration.namespaces import register_each
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
 from lightning_dash.integration.trainer_options import check_data_parallel_options
@@ -75,16 +76,6 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
         super().__init__(**kwargs)
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion
-        #: How the user's optimizers become DASH: the resolved overrides and conversion options.
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register :data:`REGISTRY_NAMES`; a name already registered is kept."""
-        for name, settings in REGISTRY_NAMES:
-            if name not in strategy_registry:
-                description = f"DDP with DASH (block-owned Shampoo), {settings['start_method']} launcher"
-                strategy_registry.register(name, cls, description=description, **settings)
 
     @override
     def setup_environment(self) -> None:
@@ -97,11 +88,7 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
 
     @override
     def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
+        self, path: _PATH, state: LoadTarget = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         folder = local_path(path)
         if folder is not None:  # refused with the file named if incomplete; a crashed save's copy if needed
@@ -131,6 +118,12 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
             else:
                 state[name] = checkpoint.pop(name)
         return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register :data:`REGISTRY_NAMES`; a name already registered is kept."""
+        register_each(strategy_registry, cls, REGISTRY_NAMES, "DDP")
 
 
 def register_strategies(registry: _StrategyRegistry) -> None:

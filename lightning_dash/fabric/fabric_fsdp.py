@@ -20,10 +20,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.sharded import check_row_sharded
 from lightning_dash.fabric.optimizers import (
     FabricDashOptimizers,
+    LoadTarget,
     ParameterNames,
     convert,
     parameter_names,
@@ -36,10 +36,15 @@ from lightning_dash.integration.checkpoint_files import (
     is_distributed_checkpoint,
     staged_write,
 )
-from lightning_dash.integration.fsdp_sharding import is_sharded, shard_model, shard_over_every_process
+from lightning_dash.integration.fsdp_sharding import (
+    is_sharded,
+    setup_sharded_environment,
+    shard_model,
+)
+from lightning_dash.integration.namespaces import FSDP_LAUNCHERS, register_each
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
-from lightning_dash.integration.trainer_options import check_fsdp_options
+from lightning_dash.integration.trainer_options import fsdp_options
 from lightning_dash.optim import DASH
 from lightning_dash.optim.stacks import param_names
 from lightning_dash.optim.validation import check_choice
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
 
 #: Our registry names and their launchers.
-REGISTRY_NAMES = (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork"))
+REGISTRY_NAMES = tuple((name, {"start_method": start}) for name, start in FSDP_LAUNCHERS)
 
 
 class ParallelizeForDash:
@@ -130,13 +135,12 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         conversion = ConversionOptions.from_init(kwargs)
-        check_fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__)
-        kwargs.setdefault("data_parallel_size", "auto")
-        kwargs["tensor_parallel_size"] = 1
-        super().__init__(parallelize_fn=ParallelizeForDash(parallelize_fn, shard_modules), **kwargs)
+        super().__init__(
+            parallelize_fn=ParallelizeForDash(parallelize_fn, shard_modules),
+            **fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__),
+        )
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion
-        #: How the user's optimizers become DASH.
         self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
         #: Each module set up, with the names its parameters had before sharding.
         self._set_up: list[tuple[ParameterNames, Module]] = []
@@ -145,10 +149,11 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"dash_fsdp"`` and its launcher variants; a name already registered is kept."""
-        for name, start_method in REGISTRY_NAMES:
-            if name not in strategy_registry:
-                description = f"FSDP2 with DASH (block-owned Shampoo), {start_method} launcher"
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        register_each(strategy_registry, cls, REGISTRY_NAMES, "FSDP2")
+
+    @override
+    def setup_environment(self) -> None:
+        setup_sharded_environment(self, super().setup_environment)
 
     @override
     def _configure_launcher(self) -> None:
@@ -156,12 +161,6 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
             super()._configure_launcher()
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        shard_over_every_process(self)
-        super().setup_environment()
-        settle_gloo_workers_at_exit()
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -227,11 +226,7 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
 
     @override
     def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
+        self, path: _PATH, state: LoadTarget = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """As Fabric's ``ModelParallelStrategy``, with DASH's state read for the current world
         size: from a distributed checkpoint each rank reads only its blocks."""

@@ -27,6 +27,8 @@ from lightning_dash.integration.optimizer_swap import track_scheduler_calls
 from lightning_dash.integration.options import ConversionOptions
 from lightning_dash.optim import DASH
 
+#: What ``fabric.load`` restores into: a module, an optimizer, or a dict of them and other objects.
+LoadTarget = nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None
 #: A module's parameters by identity, each with a weak reference (an id alone may be reused) and its name.
 ParameterNames = dict[int, tuple[weakref.ref, str]]
 

@@ -9,13 +9,15 @@ top-level modules that share parameters are sharded together in one call.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 
 #: The LightningModule methods Lightning calls instead of ``forward``: where the model
 #: itself holds parameters, FSDP2 gathers them around these calls.
@@ -128,8 +130,11 @@ def shard_module(
     return len(units) + len(roots) + 1
 
 
-def shard_over_every_process(strategy: Any) -> None:
-    """Make a ``ModelParallelStrategy``'s ``data_parallel_size="auto"`` concrete (Trainer's or Fabric's):
-    every process shards the model, since the DASH strategies do no tensor parallelism."""
+def setup_sharded_environment(strategy: Any, setup_environment: Callable[[], None]) -> None:
+    """A DASH FSDP2 strategy's ``setup_environment`` (Trainer's or Fabric's): ``data_parallel_size="auto"``
+    made concrete (every process shards the model: the DASH strategies do no tensor parallelism), then
+    the base class's ``setup_environment``, then gloo's workers kept alive until exit."""
     if strategy._data_parallel_size == "auto":
         strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+    setup_environment()
+    settle_gloo_workers_at_exit()

@@ -50,6 +50,9 @@ FABRIC_STRATEGY_MODULES: tuple[str, ...] = (
     "lightning_dash.fabric.fabric_fsdp",
 )
 
+#: The FSDP2 strategies' registry names (Trainer's and Fabric's) and their launchers' start methods.
+FSDP_LAUNCHERS = (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork"))
+
 #: How a standalone package renames the unified package's modules.
 _STANDALONE_NAMES = {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}
 
@@ -188,3 +191,16 @@ def register_strategies(
                 importlib.import_module(name) if namespace.copies is None else standalone_module(name, namespace.copies)
             )
             module.register_strategies(registry)
+
+
+def register_each(registry: Any, strategy: type, names: Sequence[tuple[str, dict[str, Any]]], kind: str) -> None:
+    """Register ``strategy`` under each of ``names`` (a name with the keyword arguments it stands for, a
+    ``start_method`` among them) in ``registry``, described as ``kind`` with DASH; a name already there is
+    kept (registration is idempotent)."""
+    for name, settings in names:
+        if name in registry:
+            continue
+        description = f"{kind} with DASH (block-owned Shampoo), {settings['start_method']} launcher"
+        if "find_unused_parameters" in settings:
+            description += f", find_unused_parameters={settings['find_unused_parameters']}"
+        registry.register(name, strategy, description=description, **settings)

@@ -68,12 +68,14 @@ def check_data_parallel_options(
     _refuse_unknown(options, strategy, known)
 
 
-def check_fsdp_options(options: dict[str, Any], strategy: str, base: Callable[..., Any]) -> None:
-    """Refuse a keyword neither DASH nor ``base`` (the strategy's ModelParallelStrategy) takes, and tensor
-    parallelism, which the FSDP2 strategies do not do (yet)."""
+def fsdp_options(options: dict[str, Any], strategy: str, base: Callable[..., Any]) -> dict[str, Any]:
+    """``options`` for ``base`` (the strategy's ModelParallelStrategy) after refusing a keyword neither DASH
+    nor ``base`` takes, and tensor parallelism, which the FSDP2 strategies do not do (yet); every process
+    shards the model unless ``data_parallel_size`` says otherwise."""
     _refuse_unknown(options, strategy, _parameters([base]) - {"parallelize_fn"})
     if options.get("tensor_parallel_size", 1) != 1:
         raise ValueError(
             f"tensor_parallel_size={options['tensor_parallel_size']!r}: {strategy} shards by data "
             "parallelism alone (tensor_parallel_size=1)"
         )
+    return {"data_parallel_size": "auto", **options, "tensor_parallel_size": 1}

@@ -15,8 +15,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_dash.optim.roots.common import working_dtype
 from lightning_dash.optim.stacks.blocks import Region, StackPlan, add_stacks
-from lightning_dash.optim.stacks.layout import stacks_by_placement, state_dtype
+from lightning_dash.optim.stacks.layout import stacks_by_placement
 
 
 @dataclass
@@ -137,7 +138,7 @@ def gather_gradients(plans: list[StackPlan], params: list[Tensor]) -> list[Tenso
             param = params[region.param_index]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             grads[region.param_index] = grad.reshape(region.view.shape)
-        stacks.append(plan.gather(grads, dtype=state_dtype(params[plan.regions[0].param_index])))
+        stacks.append(plan.gather(grads, dtype=working_dtype(params[plan.regions[0].param_index])))
     return stacks
 
 

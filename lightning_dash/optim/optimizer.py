@@ -4,35 +4,53 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_dash.optim.checkpoint import DashStateDict
+from lightning_dash.optim.checkpoint import Checkpointer
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
-from lightning_dash.optim.param_routing import ParameterRouting
+from lightning_dash.optim.layout_keeper import LayoutKeeper
 from lightning_dash.optim.roots import RootSettings
 from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
-from lightning_dash.optim.routing import describe_model
-from lightning_dash.optim.stacks.layout import Layout, export_layout, layout_bytes, owned_blocks, stack_state
-from lightning_dash.optim.step.bookkeeping import StepBookkeeping
+from lightning_dash.optim.routing import ParameterRouting
+from lightning_dash.optim.stacks.blocks import MatrixView
+from lightning_dash.optim.stacks.layout import Layout, layout_bytes, owned_blocks, param_names, preconditioned_blocks
+from lightning_dash.optim.step.bookkeeping import StepBookkeeping, advance_steps
 from lightning_dash.optim.step.device import step_on_device
-from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.grafting import uses_second_moment
 from lightning_dash.optim.step.refresh import RootRefresher
 from lightning_dash.optim.step.update import UpdateRules, active_params, gradients_all_zero
-from lightning_dash.optim.step.verdict import VerdictQueue
 
 _log = logging.getLogger("lightning_dash")
 #: Device types whose "auto" choice was logged (once per process).
 _ANNOUNCED: set[str] = set()
 
 
-class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
+def _counter(name: str, doc: str) -> property:
+    """A counter of DASH's step bookkeeping as a property (settable: a checkpoint restores it).
+    Each step's verdict reaches the host one step later; reading a counter collects it first."""
+
+    def read(self: DASH) -> int:
+        return self._books.count(name)
+
+    def write(self: DASH, value: int) -> None:
+        self._books.set_count(name, value)
+
+    return property(read, write, doc=doc)
+
+
+def _reading(path: str, doc: str) -> property:
+    """A read-only property that reads ``path`` (attributes from the optimizer, dotted) when asked."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
+class DASH(torch.optim.Optimizer):
     """Shampoo with batched block processing, batched inverse roots and grafting.
 
     Each parameter of two or more dimensions is viewed as a matrix, cut into
@@ -50,8 +68,7 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
         config: the options as a :class:`~lightning_dash.optim.config.DashConfig`.
         distributor: block ownership across data-parallel ranks (None: this process
             owns every block).
-        model: the module the parameters belong to, for the parameters' names and roles
-            (``precondition="hidden"`` needs it; see :meth:`attach_model`).
+        model: the module of the parameters, for their names and roles (see :meth:`attach_model`).
         **options: any :class:`~lightning_dash.optim.config.DashConfig` option by
             keyword (``betas``, ``epsilon``, ``block_size``, ``inverse_root_method``,
             ...); they replace the values of ``config``.
@@ -71,9 +88,6 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
             options["lr"] = lr
         self._config = DashConfig.build(config, **options)
         self._grafting = self._config.grafting
-        self._counts = {"root_failure_count": 0, "nonfinite_grad_skips": 0, "nonfinite_update_skips": 0}
-        self._verdicts = VerdictQueue()
-        self._streak_at_limit: int | None = None  # a failure streak the next step raises on
         #: When True (and blocks are sharded), :meth:`state_dict` is collective: every rank
         #: calls it, it consolidates by itself and rank 0 gets the complete state. This is
         #: how ``torch.distributed.checkpoint`` (Composer's checkpoints) calls it.
@@ -86,12 +100,11 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
             self._config.async_preconditioning,
             self._config.max_staleness,
         )
-        self._layout: Layout | None = None
-        self._distributor: BlockDistributor = distributor or LocalDistributor()
-        self._consolidated: dict[int, dict[str, Tensor]] | None = None
-        self._model = describe_model(model) if model is not None else None
-        defaults = self._config.group_defaults()
-        super().__init__(params, defaults)
+        self._books = StepBookkeeping(self._config.max_consecutive_root_failures)
+        self._routing = ParameterRouting(self._config.precondition, self._config.split_rows, model)
+        self._keeper = LayoutKeeper(distributor or LocalDistributor(), self.block_size, self.roots, self._books)
+        self._checkpointer = Checkpointer(self, self._keeper, self._routing, self._current_layout)
+        super().__init__(params, self._config.group_defaults())
 
     # ------------------------------------------------------------------ options
     @property
@@ -136,56 +149,45 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
     @property
     def distributor(self) -> BlockDistributor:
         """Block ownership across data-parallel ranks (a :class:`LocalDistributor` in one process)."""
-        return self._distributor
+        return self._keeper.distributor
 
     @distributor.setter
     def distributor(self, distributor: BlockDistributor | None) -> None:
-        self._retire_layout()
-        self._distributor = distributor or LocalDistributor()
+        self._keeper.retire(self.state)
+        self._keeper.distributor = distributor or LocalDistributor()
 
-    @property
-    def ownership_balance(self) -> float:
-        """max / mean of the per-rank cost of the block ownership (1.0 in one process)."""
-        return self._distributor.balance
+    ownership_balance = _reading(
+        "_keeper.distributor.balance", "max / mean of the per-rank cost of the block ownership (1.0 in one process)."
+    )
+    last_root_residual = _reading(
+        "roots.last_residual", "Largest Newton residual of the roots accepted in the latest step (None if none were)."
+    )
+    async_roots_hidden = _reading(
+        "roots.pipeline.hidden", "Asynchronous root launches swapped in without the main stream waiting (this rank)."
+    )
+    async_roots_waited = _reading(
+        "roots.pipeline.waited", "Asynchronous root launches the main stream had to wait for (this rank)."
+    )
+    async_wait_ms = _reading(
+        "roots.pipeline.wait_ms", "Device milliseconds the main stream stalled waiting for side-stream roots."
+    )
 
     @property
     def owned_blocks(self) -> int:
         """Blocks whose statistics this process holds (0 before the first step)."""
-        return owned_blocks(self._layout)
+        return owned_blocks(self._keeper.layout)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this process holds: the statistics, roots and buffers
         of its blocks and its part of the one-dimensional parameters' buffers (0 before
         the first step). With parameters sharded across N ranks each holds about 1/N."""
-        return layout_bytes(self._layout)
+        return layout_bytes(self._keeper.layout)
 
     @property
     def preconditioned_blocks(self) -> int:
         """Blocks of this process whose Shampoo roots are in use (roots still being
         computed on a side stream are not counted); reads a count back from the device."""
-        if self._layout is None:
-            return 0
-        return sum(int(stack.state.root_valid.sum()) for stack in self._layout.stacks)
-
-    @property
-    def last_root_residual(self) -> Tensor | None:
-        """Largest Newton residual of the roots accepted in the latest step (None if none were)."""
-        return self.roots.last_residual
-
-    @property
-    def async_roots_hidden(self) -> int:
-        """Asynchronous root launches swapped in without the main stream waiting (this rank)."""
-        return self.roots.pipeline.hidden
-
-    @property
-    def async_roots_waited(self) -> int:
-        """Asynchronous root launches the main stream had to wait for (this rank)."""
-        return self.roots.pipeline.waited
-
-    @property
-    def async_wait_ms(self) -> float:
-        """Device milliseconds the main stream stalled waiting for side-stream roots."""
-        return self.roots.pipeline.wait_ms
+        return preconditioned_blocks(self._keeper.layout)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> DASH:
@@ -206,7 +208,8 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after training started); its hyperparameters are checked."""
-        self._retire_layout()
+        if "_keeper" in self.__dict__:  # (torch's constructor adds the first groups)
+            self._keeper.retire(self.state)
         super().add_param_group(param_group)
         try:
             check_group(self.param_groups[-1])
@@ -214,20 +217,28 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
             self.param_groups.pop()
             raise
 
-    # ------------------------------------------------------------------ layout
+    # ------------------------------------------------------------------ model and layout
+    def attach_model(self, model: nn.Module) -> None:
+        """Tell DASH the model its parameters belong to: their names, and which are
+        embeddings, the output layer or convolutions (``precondition="hidden"`` needs
+        this; the Lightning strategies and the Composer algorithm call it)."""
+        self._keeper.retire(self.state)
+        self._routing.attach(model)
+
+    def preconditioning(self) -> dict[str, MatrixView | None]:
+        """How each parameter is updated, by name: its
+        :class:`~lightning_dash.optim.stacks.blocks.MatrixView` when DASH preconditions it,
+        None when the grafting optimizer alone updates it."""
+        known, fallback = self._routing.names(self.param_groups), param_names(self.param_groups)
+        return {known[i] or fallback[i]: view for i, view in enumerate(self._routing.views(self.param_groups))}
+
     def _current_layout(self) -> Layout:
         """The stacked state, built from ``self.state`` when there is none."""
-        if self._layout is None:
-            self._resolve_solver()
-            self._layout = stack_state(
-                self.param_groups,
-                self.state,
-                self._param_views(),
-                self._distributor,
-                self.block_size,
-                want_second_moment=uses_second_moment(self.grafting),
-            )
-        return self._layout
+        if self._keeper.layout is not None:
+            return self._keeper.layout
+        self._resolve_solver()
+        views = self._routing.views(self.param_groups)
+        return self._keeper.build(self.param_groups, self.state, views, uses_second_moment(self.grafting))
 
     def _resolve_solver(self) -> None:
         """Point the root computation at the solver for the parameters' current device,
@@ -237,31 +248,6 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
         if self._config.inverse_root_method == AUTO and device.type not in _ANNOUNCED:
             _ANNOUNCED.add(device.type)
             _log.info("DASH inverse_root_method=%s", explain_choice(device, self.block_size))
-
-    def _retire_layout(self) -> None:
-        """Move stacked state back into ``self.state`` so the layout can be rebuilt."""
-        if "roots" in self.__dict__:
-            self._settle_roots(collective=False)
-        layout = self.__dict__.get("_layout")
-        if layout is None:
-            return
-        # Sharded parameters: per-tile entries, so no rank builds a whole parameter-shaped buffer.
-        tiles = self._distributor.shards_parameters
-        for index, entry in export_layout(layout, tiles=tiles).items():
-            self.state[layout.params[index]].update(entry)
-        self._layout = None
-
-    def _settle_roots(self, collective: bool) -> None:
-        """Collect the latest verdict and swap pending side-stream roots in, so saved or
-        exported state holds them (reads values back: not for the step's hot path)."""
-        self._verdicts.collect()
-        layout = self._layout
-        report = self.roots.settle(layout, collective or self._distributor.world_size == 1)
-        if report is not None and layout is not None:
-            device = layout.params[0].device if layout.params else torch.device("cpu")
-            failed, longest = failure_summary(report, self._distributor, device).tolist()
-            self._counts["root_failure_count"] += int(failed)
-            self._note_streak(int(longest))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -280,21 +266,21 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._verdicts.collect()
+        self._books.verdicts.collect()
         layout = self._current_layout()
-        self._raise_on_streak(layout)
+        self._books.raise_on_streak(layout, self.root_settings.method)
         self.roots.last_residual = None
         active = active_params(layout)
         if not active or self._materialising(layout, active):
             return loss
-        self._advance(layout, active, 1)
+        advance_steps(self.state, layout, active, 1)
         try:
             rules = UpdateRules(self.grafting, self.nesterov, self.bias_correction, self._config.compile, self.lr_scale)
-            verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._distributor)
+            verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._keeper.distributor)
         except BaseException:
-            self._advance(layout, active, -1)
+            advance_steps(self.state, layout, active, -1)
             raise
-        self._verdicts.post(verdict, lambda read: self._read_verdict(layout, active, read))
+        self._books.post(verdict, self.state, layout, active)
         return loss
 
     def _materialising(self, layout: Layout, active: set[int]) -> bool:
@@ -303,4 +289,64 @@ class DASH(ParameterRouting, StepBookkeeping, DashStateDict):
         this way (reads one value back, only when every learning rate is zero)."""
         if any(group["lr"] != 0 for group in self.param_groups):
             return False
-        return gradients_all_zero(layout, active, self._distributor.reduce_max)
+        return gradients_all_zero(layout, active, self._keeper.distributor.reduce_max)
+
+    root_failure_count = _counter(
+        "root_failure_count",
+        "Blocks whose new roots were rejected (non-finite, or a residual above "
+        ":func:`~lightning_dash.optim.roots.failure_residual`), over all ranks.",
+    )
+    nonfinite_grad_skips = _counter("nonfinite_grad_skips", "Steps skipped whole because some gradient was not finite.")
+    nonfinite_update_skips = _counter(
+        "nonfinite_update_skips", "Steps skipped whole because some computed update was not finite."
+    )
+
+    # ------------------------------------------------------------------ checkpoints
+    def owned_tiles(self) -> dict[str, list[tuple[int, int]]]:
+        """The blocks this process owns, as ``(i, j)`` tile positions per parameter name
+        (the keys of :meth:`sharded_state_dict`); plans the ownership if not done yet."""
+        return self._checkpointer.owned_tiles()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state, in the form that does not depend on the world size.
+
+        ``state`` is keyed by parameter name (the groups' ``param_names``, else the
+        position). Every statistic of a block sits under its own key (``left_factor_i_j``,
+        ``momentum_i_j``, ``root_valid_i_j``, ...) in the dict of the block's owner only;
+        the buffers of one-dimensional parameters are shaped like them (sharded like
+        them when parameters are sharded DTensors); every rank holds every ``step``.
+        Not collective: each rank writes its share (``torch.distributed.checkpoint``),
+        and :meth:`load_state_dict` takes any union of shares at any world size.
+        """
+        return self._checkpointer.sharded_state_dict()
+
+    def consolidate_state_dict(self) -> None:
+        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
+
+        Collective: call it on every rank (Lightning's strategies do before saving).
+        """
+        self._checkpointer.consolidate_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
+
+        Every statistic, root, momentum and step count is a per-parameter copy. With
+        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
+        (on every rank); the complete state is then returned on rank 0. With
+        ``collective_state_dict`` set, this call consolidates by itself (every rank
+        must call it) and the other ranks get only the step counts. With parameters
+        sharded across ranks (FSDP2) the state is in the world-size-free form of
+        :meth:`sharded_state_dict`: this rank's share, or after consolidation the
+        whole state on rank 0.
+        """
+        return self._checkpointer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
+
+        Tensors keep their saved dtype (statistics stay float32 for low-precision
+        parameters); the stacks are rebuilt at the next step. The parameter-group
+        dictionaries stay the same objects (their values are loaded into them), so an
+        optimizer DASH was converted from, and its schedulers, keep driving it.
+        """
+        self._checkpointer.load_state_dict(state_dict)

@@ -200,3 +200,39 @@ def _view(
                 )
             view = MatrixView(view.part_rows // parts, view.cols, view.parts * parts)
     return view
+
+
+class ParameterRouting:
+    """An optimizer's routing: its ``precondition`` and ``split_rows`` options and what it knows of
+    the model, applied to its parameter groups (names from the groups' ``param_names`` or the model)."""
+
+    def __init__(
+        self,
+        precondition: PreconditionRule,
+        split_rows: tuple[tuple[str, int], ...],
+        model: nn.Module | None = None,
+    ) -> None:
+        self.precondition = precondition
+        self.split_rows = split_rows
+        self.model = describe_model(model) if model is not None else None
+
+    def attach(self, model: nn.Module) -> None:
+        """Take the names and roles of ``model``'s parameters."""
+        self.model = describe_model(model)
+
+    def names(self, param_groups: list[dict[str, Any]]) -> list[str | None]:
+        """Each parameter's name, where the groups or the model give one."""
+        names: list[str | None] = []
+        for group in param_groups:
+            given = group.get("param_names")
+            for position, param in enumerate(group["params"]):
+                if given is not None:
+                    names.append(str(given[position]))
+                else:
+                    names.append(self.model.name(param) if self.model is not None else None)
+        return names
+
+    def views(self, param_groups: list[dict[str, Any]]) -> list[MatrixView | None]:
+        """Each parameter's matrix view, or None where the grafting optimizer alone updates it."""
+        params = [p for group in param_groups for p in group["params"]]
+        return matrix_views(params, self.names(param_groups), self.model, self.precondition, self.split_rows)

@@ -22,19 +22,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.integration.checkpoint_files import (
     complete_checkpoint,
     is_distributed_checkpoint,
     staged_write,
 )
-from lightning_dash.integration.fsdp_sharding import is_sharded, shard_module, shard_over_every_process
+from lightning_dash.integration.fsdp_sharding import (
+    is_sharded,
+    setup_sharded_environment,
+    shard_module,
+)
+from lightning_dash.integration.namespaces import FSDP_LAUNCHERS, register_each
 from lightning_dash.integration.optimizer_swap import swap_optimizers
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.integration.traffic import fsdp_bytes_per_step
-from lightning_dash.integration.trainer_options import check_fsdp_options
+from lightning_dash.integration.trainer_options import fsdp_options
 from lightning_dash.optim import DASH
 from lightning_dash.optim.validation import check_choice
 
@@ -98,10 +102,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         conversion = ConversionOptions.from_init(kwargs)
-        check_fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__)
-        kwargs.setdefault("data_parallel_size", "auto")
-        kwargs["tensor_parallel_size"] = 1
-        super().__init__(**kwargs)
+        super().__init__(**fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__))
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = conversion
         self.shard_modules = tuple(shard_modules) if shard_modules else None
@@ -113,14 +114,8 @@ class DashFSDPStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("dash_fsdp", "popen"), ("dash_fsdp_spawn", "spawn"), ("dash_fsdp_fork", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"FSDP2 with DASH (block-owned Shampoo), {start_method} launcher",
-                    start_method=start_method,
-                )
+        names = [(name, {"start_method": start}) for name, start in FSDP_LAUNCHERS]
+        register_each(strategy_registry, cls, names, "FSDP2")
 
     @override
     def _configure_launcher(self) -> None:
@@ -132,9 +127,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        shard_over_every_process(self)
-        super().setup_environment()
-        settle_gloo_workers_at_exit()
+        setup_sharded_environment(self, super().setup_environment)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -70,6 +70,12 @@ def failure_residual(settings: RootSettings) -> float:
     return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_dtype])
 
 
+def working_dtype(tensor: Tensor) -> torch.dtype:
+    """The dtype DASH computes and keeps state in for ``tensor``: float64 for float64, float32 for
+    every other dtype (statistics of low-precision parameters stay float32)."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
 def noise_floor(dtype: torch.dtype) -> float:
     """Smallest relative eigenvalue the Newton solvers work with in ``dtype`` (``8 u``)."""
     return NOISE_FLOOR_UNITS * UNIT_ROUNDOFF[dtype]

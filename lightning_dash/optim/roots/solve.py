@@ -39,15 +39,11 @@ from lightning_dash.optim.roots.common import (
     RootSettings,
     add_diagonal,
     noise_floor,
+    working_dtype,
 )
 from lightning_dash.optim.roots.newton import coupled_newton, newton_db
 from lightning_dash.optim.roots.scaling import spectral_scale
 from lightning_dash.optim.roots.spectral import chebyshev, eigh
-
-
-def _working_dtype(statistics: Tensor) -> torch.dtype:
-    """float64 statistics are solved in float64; everything else in float32."""
-    return torch.float64 if statistics.dtype == torch.float64 else torch.float32
 
 
 def normalise(statistics: Tensor, eps: Tensor, scale: Tensor | None, relative: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,7 +58,7 @@ def normalise(statistics: Tensor, eps: Tensor, scale: Tensor | None, relative: b
     its root is never used in earnest, since its direction is zero. Returns
     ``(normalised, e, a)``.
     """
-    work = _working_dtype(statistics)
+    work = working_dtype(statistics)
     matrices = statistics.to(work)
     norm = torch.linalg.matrix_norm(matrices, ord="fro").double()
     block_scale = torch.ones_like(norm) if scale is None else scale.double()

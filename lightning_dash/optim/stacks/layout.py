@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_dash.optim.roots.common import working_dtype
 from lightning_dash.optim.stacks.blocks import MatrixView, Region, StackPlan, param_regions, stack_regions
 from lightning_dash.optim.stacks.state import (
     GRAFTING_RMS,
@@ -27,11 +28,6 @@ from lightning_dash.optim.stacks.state import (
     import_stack,
 )
 from lightning_dash.optim.stacks.uploads import upload
-
-
-def state_dtype(param: Tensor) -> torch.dtype:
-    """Optimizer state of float64 parameters is float64; of every other dtype, float32."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
 def matrix_regions(views: list[MatrixView | None], block_size: int) -> list[Region]:
@@ -49,7 +45,7 @@ def stacks_by_placement(regions: list[Region], params: list[Tensor]) -> list[Sta
 
     def placement(region: Region) -> tuple[torch.device, torch.dtype]:
         param = params[region.param_index]
-        return param.device, state_dtype(param)
+        return param.device, working_dtype(param)
 
     keys = dict.fromkeys(placement(region) for region in regions)
     return [plan for key in keys for plan in stack_regions([r for r in regions if placement(r) == key])]
@@ -152,7 +148,7 @@ def build_layout(
         if not plan.regions:
             continue
         first = params[plan.regions[0].param_index]
-        state = StackState.zeros(plan.num_blocks, plan.block_shape, first.device, state_dtype(first))
+        state = StackState.zeros(plan.num_blocks, plan.block_shape, first.device, working_dtype(first))
         if want_momentum:
             state.ensure(MOMENTUM)
         if want_second_moment:
@@ -164,7 +160,7 @@ def build_layout(
         members: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, param in enumerate(params):
             if group_of[index] == group_index and views[index] is None and param.numel() > 0:
-                members.setdefault((param.device, state_dtype(param)), []).append(index)
+                members.setdefault((param.device, working_dtype(param)), []).append(index)
         for (device, dtype), indices in members.items():
             numels = [local(params[i]).numel() for i in indices]
             offsets = [sum(numels[:k]) for k in range(len(numels))]
@@ -206,6 +202,11 @@ def export_layout(layout: Layout, include_vectors: bool = True, tiles: bool = Fa
 def owned_blocks(layout: Layout | None) -> int:
     """Blocks whose statistics this process holds."""
     return 0 if layout is None else sum(stack.plan.num_blocks for stack in layout.stacks)
+
+
+def preconditioned_blocks(layout: Layout | None) -> int:
+    """Blocks whose Shampoo roots are in use (reads a count back from the device)."""
+    return 0 if layout is None else sum(int(stack.state.root_valid.sum()) for stack in layout.stacks)
 
 
 def layout_bytes(layout: Layout | None) -> int:

@@ -25,9 +25,9 @@ from common import synchronize
 from torch import Tensor
 
 from lightning_dash import RootComputationError
-from lightning_dash.demos import TinyGPT, load_stdlib_corpus
-from lightning_dash.demos.lightning_gpt import warmup_cosine
-from lightning_dash.demos.stdlib_text import ByteCorpus, RandomWindows
+from lightning_dash.showcase import TinyGPT, load_stdlib_corpus
+from lightning_dash.showcase.lightning_gpt import warmup_cosine
+from lightning_dash.showcase.stdlib_text import ByteCorpus, RandomWindows
 
 
 # ---------------------------------------------------------------------- training

@@ -1,6 +1,6 @@
 """Training-step time of a GPT-style model: AdamW, synchronous DASH, asynchronous DASH.
 
-The model is the repository's :class:`~lightning_dash.demos.TinyGPT` at GPT-2-small
+The model is the repository's :class:`~lightning_dash.showcase.TinyGPT` at GPT-2-small
 shape (12 layers, width 768, 12 heads, vocabulary 50257, context 1024; 163M
 parameters with its untied head), trained on random tokens (only time is measured)
 with the forward pass under bf16 autocast. For each configuration the step
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, build_optimizer, markdown_table, synchronize, write_json
 
 from lightning_dash import DASH
-from lightning_dash.demos import TinyGPT
+from lightning_dash.showcase import TinyGPT
 
 
 @dataclass

@@ -96,8 +96,8 @@ def validation_loss(
     seed: int = 1,
     eval_mode: bool = True,
 ) -> float:
-    """Mean loss of ``model`` (a :class:`~lightning_dash.demos.TinyGPT`) over ``batches`` validation
-    batches of a :class:`~lightning_dash.demos.ByteCorpus`, drawn with a fixed ``seed`` (the same
+    """Mean loss of ``model`` (a :class:`~lightning_dash.showcase.TinyGPT`) over ``batches`` validation
+    batches of a :class:`~lightning_dash.showcase.ByteCorpus`, drawn with a fixed ``seed`` (the same
     batches for every run), without gradients; the model is left in train mode.
 
     TinyGPT has no dropout, but in eval mode PyTorch takes its fused transformer path, whose

@@ -1,6 +1,6 @@
 """Validation loss against steps and wall time: AdamW and DASH on the stdlib byte-level GPT.
 
-Both optimizers train the same :class:`~lightning_dash.demos.TinyGPT` on the
+Both optimizers train the same :class:`~lightning_dash.showcase.TinyGPT` on the
 Python standard library's own source (``load_stdlib_corpus``; validation on
 held-out files) with a plain PyTorch loop and the same schedule: linear warm-up
 over the first ``--warmup`` steps, then cosine decay to zero. For a seed, the
@@ -78,7 +78,7 @@ from common import (
 )
 
 from lightning_dash import RootComputationError
-from lightning_dash.demos import ByteCorpus, TinyGPT, load_stdlib_corpus
+from lightning_dash.showcase import ByteCorpus, TinyGPT, load_stdlib_corpus
 
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01

@@ -48,7 +48,7 @@ from common import RESULTS_DIR, build_optimizer, device_label, markdown_table, r
 from convergence import Settings, hyperparameters, train_run
 
 from lightning_dash import DASH
-from lightning_dash.demos import load_stdlib_corpus
+from lightning_dash.showcase import load_stdlib_corpus
 
 MAIN_JOB_LR = 1.2e-2
 

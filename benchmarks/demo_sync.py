@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, build_optimizer, validation_loss, write_json
 
 from lightning_dash import DeMo
-from lightning_dash.demos import TinyGPT, load_stdlib_corpus
 from lightning_dash.distributed import ProcessGroupDistributor
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats, counting_allreduce_hook, local_gradient_hook
+from lightning_dash.showcase import TinyGPT, load_stdlib_corpus
 
 WORLD_SIZE = 2
 CONTEXT = 64

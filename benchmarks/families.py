@@ -49,7 +49,7 @@ from family_models import FAMILIES, Family  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from lightning_dash import DashStrategy  # noqa: E402
-from lightning_dash.demos.quiet import quiet_third_party_output  # noqa: E402
+from lightning_dash.showcase.quiet import quiet_third_party_output  # noqa: E402
 
 #: DASH variants every run of the suite includes: DASH's defaults, and version 0.4's defaults by name (as
 #: near as today's DASH gets: 0.4 also stepped 1-D parameters at 8x the lr, which ``lr_scale`` no longer does).

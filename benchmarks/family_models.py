@@ -2,7 +2,7 @@
 
 Each family is a real :class:`lightning.pytorch.LightningModule` whose
 ``configure_optimizers`` returns ``torch.optim.AdamW`` with a linear warm-up and cosine
-decay (:func:`lightning_dash.demos.lightning_gpt.warmup_cosine`), as user code does, and
+decay (:func:`lightning_dash.showcase.lightning_gpt.warmup_cosine`), as user code does, and
 its data, built from what is on the machine: the Python standard library's source, the
 English text of Python's own help topics (``pydoc_data.topics``), and the data sets that
 ship inside scikit-learn (handwritten digits, diabetes). Nothing is downloaded.
@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_dash.demos import TinyGPT
-from lightning_dash.demos.lightning_gpt import warmup_cosine
-from lightning_dash.demos.stdlib_text import load_stdlib_corpus
+from lightning_dash.showcase import TinyGPT
+from lightning_dash.showcase.lightning_gpt import warmup_cosine
+from lightning_dash.showcase.stdlib_text import load_stdlib_corpus
 
 Batch = tuple[Tensor, ...]
 

@@ -1,7 +1,7 @@
 """Convergence race: DASH against AdamW, Muon, SOAP, PSGD-Kron and Meta's Distributed Shampoo.
 
 Every contender trains the main job's byte-level GPT (``examples/train_char_gpt.py``:
-:class:`~lightning_dash.demos.TinyGPT`, depth 2, 4 heads, context 128, batch 32, on the
+:class:`~lightning_dash.showcase.TinyGPT`, depth 2, 4 heads, context 128, batch 32, on the
 Python standard library's source, 4 MB read, validation on held-out files) with a plain
 PyTorch loop instead of Lightning: the same model, data and schedule, without the trainer's
 per-step overhead, so that the optimizer step can be timed on its own. For a seed, every
@@ -10,7 +10,7 @@ the same batches in the same order (``RandomWindows(train, 128, steps * 32, seed
 job's training data); validation is the main job's fixed set of held-out windows
 (``RandomWindows(validation, 128, --val-windows, seed=12345)``). Schedule: linear warm-up over
 5% of the steps, then cosine decay to 0.1 of the peak
-(:func:`lightning_dash.demos.lightning_gpt.warmup_cosine`, the main job's).
+(:func:`lightning_dash.showcase.lightning_gpt.warmup_cosine`, the main job's).
 
 Contenders (:data:`CONTENDERS`; ``--optimizers`` selects some; ``betas=(0.9, 0.95)`` and
 decoupled weight decay 0.01 wherever an optimizer takes them):

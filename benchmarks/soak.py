@@ -44,7 +44,7 @@ from common import (
 )
 
 from lightning_dash import DASH
-from lightning_dash.demos import ByteCorpus, TinyGPT, load_stdlib_corpus
+from lightning_dash.showcase import ByteCorpus, TinyGPT, load_stdlib_corpus
 
 SPIKE = 1e12
 #: (solver, matmul dtype) pairs; eigh has no matmul dtype of its own.

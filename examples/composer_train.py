@@ -23,9 +23,9 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from lightning_dash.composer import Dash, DashComposerMonitor
-from lightning_dash.demos import load_stdlib_corpus
-from lightning_dash.demos.composer_models import ComposerTinyGPT
-from lightning_dash.demos.stdlib_text import RandomWindows
+from lightning_dash.showcase import load_stdlib_corpus
+from lightning_dash.showcase.composer_models import ComposerTinyGPT
+from lightning_dash.showcase.stdlib_text import RandomWindows
 
 
 def parse_args() -> argparse.Namespace:

@@ -25,9 +25,9 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_dash  # noqa: F401  (registers strategy="dash_fsdp")
-from lightning_dash.demos.lightning_gpt import warmup_cosine
-from lightning_dash.demos.stdlib_text import load_stdlib_corpus
-from lightning_dash.demos.tiny_gpt import TinyGPT
+from lightning_dash.showcase.lightning_gpt import warmup_cosine
+from lightning_dash.showcase.stdlib_text import load_stdlib_corpus
+from lightning_dash.showcase.tiny_gpt import TinyGPT
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

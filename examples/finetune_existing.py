@@ -28,8 +28,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dash  # noqa: F401  (registers strategy="dash")
-from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes
-from lightning_dash.demos.quiet import progress_bar_wanted, quiet_third_party_output
+from lightning_dash.showcase.lightning_gpt import GPTModule, StdlibBytes
+from lightning_dash.showcase.quiet import progress_bar_wanted, quiet_third_party_output
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Train a byte-level GPT on the Python standard library's source with Lightning:
 AdamW, then ``Trainer(strategy="dash")``, and compare their validation losses.
 
-Both runs use the same LightningModule (``lightning_dash.demos.lightning_gpt.GPTModule``:
+Both runs use the same LightningModule (``lightning_dash.showcase.lightning_gpt.GPTModule``:
 AdamW + warmup/cosine LambdaLR in ``configure_optimizers``), the same initial weights,
 the same seeded batches in the same order, the same schedule and the same fixed
 validation set (windows of held-out stdlib files). Only the Trainer's strategy and
@@ -30,7 +30,7 @@ results independent of the thread count. The JSON records the thread count, the 
 and the CPU, to compare runs.
 
 The progress bar is on only when stdout is a terminal (``--progress-bar`` / ``--no-progress-bar``
-force it); a few known third-party notices are filtered (``lightning_dash.demos.quiet``).
+force it); a few known third-party notices are filtered (``lightning_dash.showcase.quiet``).
 
 Learning rates: AdamW's default, 6e-3, is its best on the grid {1.5e-3, 3e-3, 6e-3, 1.2e-2}
 swept at the default settings with the same schedule (final validation loss 1.908, 1.695,
@@ -59,10 +59,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
 
 from lightning_dash import DashStrategy
-from lightning_dash.demos import report
-from lightning_dash.demos.contention import CpuShare, contention_warning, measured
-from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, WallClock
-from lightning_dash.demos.quiet import progress_bar_wanted, quiet_third_party_output
+from lightning_dash.showcase import report
+from lightning_dash.showcase.contention import CpuShare, contention_warning, measured
+from lightning_dash.showcase.lightning_gpt import GPTModule, StdlibBytes, WallClock
+from lightning_dash.showcase.quiet import progress_bar_wanted, quiet_third_party_output
 
 DEFAULT_LR = {"adamw": 6e-3, "dash": 6e-3}
 

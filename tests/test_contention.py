@@ -1,4 +1,4 @@
-"""The main job's check that its timed runs had the CPU (``lightning_dash.demos.contention``):
+"""The main job's check that its timed runs had the CPU (``lightning_dash.showcase.contention``):
 real measurements of a phase that computes and of one that waits, and the verdict's arithmetic."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_dash.demos.contention import STARVED_SHARE, CpuShare, contention_warning, measured
+from lightning_dash.showcase.contention import STARVED_SHARE, CpuShare, contention_warning, measured
 
 
 def phase(cpu_s: float, wall_s: float = 10.0, threads: int = 1) -> CpuShare:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dash import DASH
-from lightning_dash.demos.lightning_gpt import GPTModule, StdlibBytes, warmup_cosine
-from lightning_dash.demos.stdlib_text import RandomWindows
+from lightning_dash.showcase.lightning_gpt import GPTModule, StdlibBytes, warmup_cosine
+from lightning_dash.showcase.stdlib_text import RandomWindows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = [
@@ -204,7 +204,7 @@ QUIET_WRAPPER = """
 import runpy, sys, warnings
 import lightning.fabric.utilities.data as fabric_data
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-import lightning_dash.demos.quiet as quiet
+import lightning_dash.showcase.quiet as quiet
 
 script, filters, *argv = sys.argv[1:]
 fabric_data._num_cpus_available = lambda: 8

@@ -40,21 +40,18 @@ class DemoGradientSync:
     * :meth:`synchronise` after the backward pass of every step;
     * :meth:`save` and :meth:`load` with the trainer's checkpoint dictionary.
 
+    The options are the strategy's, whose signature holds their defaults.
+
     Args:
+        stats: where the gradient-synchronisation bytes are counted.
         gradient_sync: ``"allreduce"`` or ``"demo"``.
         demo_topk: DeMo's DCT coefficients kept per chunk.
         demo_chunk_size: DeMo's largest chunk side.
         demo_momentum: decay of DeMo's local momentum, in [0, 1).
-        stats: where the gradient-synchronisation bytes are counted (a new :class:`CommStats` if None).
     """
 
     def __init__(
-        self,
-        gradient_sync: str = "allreduce",
-        demo_topk: int = 32,
-        demo_chunk_size: int = 64,
-        demo_momentum: float = 0.999,
-        stats: CommStats | None = None,
+        self, stats: CommStats, gradient_sync: str, demo_topk: int, demo_chunk_size: int, demo_momentum: float
     ) -> None:
         #: ``"allreduce"`` or ``"demo"``.
         self.mode = check_choice("gradient_sync", gradient_sync, ("allreduce", "demo"))
@@ -64,7 +61,7 @@ class DemoGradientSync:
             "chunk_size": check_int("demo_chunk_size", demo_chunk_size, low=1),
             "momentum": check_number("demo_momentum", demo_momentum, low=0.0, high=1.0, high_open=True),
         }
-        self.stats = CommStats() if stats is None else stats
+        self.stats = stats
         #: This rank's DeMo momenta while a DeMo run trains (None before :meth:`start` and without DeMo).
         self.synchronizer: DemoSynchronizer | None = None
 

@@ -21,6 +21,7 @@ from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
 from lightning_dash.integration.demo_gradient_sync import DemoGradientSync
+from lightning_dash.integration.namespaces import register_each
 from lightning_dash.integration.optimizer_swap import swap_optimizers
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
@@ -101,7 +102,7 @@ class DashStrategy(DDPStrategy):
         self.resumed_steps = 0
         #: The ``gradient_sync`` option at every moment of a run: DDP's hook, each step, checkpoints.
         self._gradient_sync = DemoGradientSync(
-            gradient_sync, demo_topk, demo_chunk_size, demo_momentum, stats=self.comm_stats
+            self.comm_stats, gradient_sync, demo_topk, demo_chunk_size, demo_momentum
         )
 
     @property
@@ -120,16 +121,12 @@ class DashStrategy(DDPStrategy):
         """Register "dash", "dash_spawn", "dash_fork" and "dash_notebook" and, as Lightning does for "ddp",
         each with ``_find_unused_parameters_true`` (for modules leaving parameters without gradients, as GANs
         do) and ``_false``; a name already registered is kept."""
-        for prefix, start_method in _LAUNCHERS:
-            for suffix, params in _UNUSED_PARAMETER_VARIANTS:
-                if prefix + suffix in strategy_registry:
-                    continue
-                description = f"DDP with DASH (block-owned Shampoo), {start_method} launcher"
-                if params:
-                    description += f", find_unused_parameters={params['find_unused_parameters']}"
-                strategy_registry.register(
-                    prefix + suffix, cls, description=description, start_method=start_method, **params
-                )
+        names = [
+            (prefix + suffix, {"start_method": start_method, **params})
+            for prefix, start_method in _LAUNCHERS
+            for suffix, params in _UNUSED_PARAMETER_VARIANTS
+        ]
+        register_each(strategy_registry, cls, names, "DDP")
 
     @property
     def _one_process(self) -> bool:

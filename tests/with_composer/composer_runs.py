@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dash import DASH
 from lightning_dash.composer import Dash
-from lightning_dash.demos import load_stdlib_corpus
-from lightning_dash.demos.composer_models import ComposerTinyGPT, last_target, next_byte_classifier
-from lightning_dash.demos.stdlib_text import RandomWindows
 from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.showcase import load_stdlib_corpus
+from lightning_dash.showcase.composer_models import ComposerTinyGPT, last_target, next_byte_classifier
+from lightning_dash.showcase.stdlib_text import RandomWindows
 
 CONTEXT = {"gpt": 24, "classifier": 16}
 GLOBAL_BATCH = 16

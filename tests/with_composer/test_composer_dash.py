@@ -294,7 +294,7 @@ def test_the_algorithm_tells_dash_the_model_for_hidden_routing() -> None:
     from composer import Trainer
     from composer.optim import DecoupledAdamW
 
-    from lightning_dash.demos.composer_models import ComposerTinyGPT
+    from lightning_dash.showcase.composer_models import ComposerTinyGPT
 
     torch.manual_seed(0)
     model = ComposerTinyGPT(context=8, width=16, depth=1, heads=2)

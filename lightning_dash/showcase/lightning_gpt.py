@@ -1,4 +1,4 @@
-"""The byte-level GPT of the demos as a LightningModule, with its stdlib data module.
+"""The byte-level GPT of the examples as a LightningModule, with its stdlib data module.
 
 The module asks for AdamW and a warmup+cosine schedule in ``configure_optimizers``,
 the way existing user code does; ``Trainer(strategy="dash")`` turns that AdamW into
@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dash.demos.stdlib_text import ByteCorpus, RandomWindows, load_stdlib_corpus
-from lightning_dash.demos.tiny_gpt import TinyGPT
+from lightning_dash.showcase.stdlib_text import ByteCorpus, RandomWindows, load_stdlib_corpus
+from lightning_dash.showcase.tiny_gpt import TinyGPT
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, floor: float = 0.1) -> Callable[[int], float]:

@@ -1,4 +1,4 @@
-"""Composer models for the demos: the byte-level GPT, and a next-byte classifier.
+"""Composer models for the examples: the byte-level GPT, and a next-byte classifier.
 
 Both train on windows of the standard library's source (:class:`RandomWindows`).
 Importing this module needs ``mosaicml`` (the ``composer`` extra).
@@ -14,7 +14,7 @@ from composer.models import ComposerClassifier, ComposerModel
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_dash.demos.tiny_gpt import TinyGPT
+from lightning_dash.showcase.tiny_gpt import TinyGPT
 
 
 class ComposerTinyGPT(ComposerModel):

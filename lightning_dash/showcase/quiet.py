@@ -53,8 +53,8 @@ def quiet_third_party_output() -> None:
     )
     # Lightning's data connector (``_worker_check`` in lightning/pytorch/trainer/connectors/data_connector.py)
     # suggests ``num_workers`` for DataLoaders with fewer than 2 workers on machines with more than 2 cores.
-    # The demos' windows are slices of a tensor already in memory: worker processes would only add start-up
-    # time. (Matched for the demos' loaders only: 'train_dataloader' and 'val_dataloader'.)
+    # The examples' windows are slices of a tensor already in memory: worker processes would only add start-up
+    # time. (Matched for the examples' loaders only: 'train_dataloader' and 'val_dataloader'.)
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
     warnings.filterwarnings(

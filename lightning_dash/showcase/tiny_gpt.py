@@ -1,4 +1,4 @@
-"""A small decoder-only transformer over bytes, for demos and benchmarks."""
+"""A small decoder-only transformer over bytes, for the examples and benchmarks."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def write_json(rows: Sequence[Row], config: dict, path: Path) -> None:
 
 def plot(histories: Sequence[History], path: Path, title: str = "", time_caution: str | None = None) -> None:
     """Two panels: validation loss against optimizer steps and against wall time (titled with
-    ``time_caution`` when the timing was disturbed, see :mod:`~lightning_dash.demos.contention`)."""
+    ``time_caution`` when the timing was disturbed, see :mod:`~lightning_dash.showcase.contention`)."""
     import matplotlib
 
     matplotlib.use("Agg")

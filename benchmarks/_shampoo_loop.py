@@ -111,12 +111,12 @@ class ShampooLoop(torch.optim.Optimizer):
         self.rules = UpdateRules("adam", nesterov, bias_correction=True)
         self.root_settings = RootSettings(
             method=inverse_root_method,
+            root_order=root_order,
             scaling=matrix_scaling,
             matmul_dtype=matmul_dtype,
             iterations=root_iterations,
             chebyshev_degree=chebyshev_degree,
             relative_epsilon=relative_epsilon,
-            order=root_order,
         )
 
     def _roots_due(self, step: int) -> bool:
@@ -126,8 +126,7 @@ class ShampooLoop(torch.optim.Optimizer):
     def _root(self, factor: Tensor, scale: Tensor, correction: float, eps: float) -> Tensor:
         """``(scale * factor / correction + d I)^(-1/p)`` by the configured solver on a 1-block stack."""
         damping = torch.full((1,), eps, device=factor.device)
-        order = self.root_settings.order
-        return inverse_root(factor[None], damping, order, self.root_settings, scale / correction, eps).root[0]
+        return inverse_root(factor[None], damping, self.root_settings, scale / correction, eps).root[0]
 
     def _followed(self, momentum: Tensor, grad: Tensor, beta1: float, step: int) -> tuple[Tensor, Tensor]:
         """The next momentum and the bias-corrected momentum the step follows, by DASH's own rules."""

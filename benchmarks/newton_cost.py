@@ -202,10 +202,10 @@ def iteration_trace(run: Callable[[], Any]) -> list[list[int]]:
 
 def measure(problem: Problem, method: str, label: str, repetitions: int, bmm_s: float, config: DashConfig) -> Record:
     num_blocks, size, _ = problem.statistics.shape
-    settings = replace(config.root_settings, method=method)
+    settings = replace(config.root_settings, method=method, root_order=ROOT)
 
     def call() -> Tensor:
-        return inverse_root(problem.statistics, problem.eps, ROOT, settings, problem.scale, problem.min_eps).root
+        return inverse_root(problem.statistics, problem.eps, settings, problem.scale, problem.min_eps).root
 
     roots = call()  # warm-up, and the result checked for accuracy
     times = []

@@ -133,7 +133,7 @@ def parse_args() -> argparse.Namespace:
 def root_settings(method: str) -> RootSettings:
     """DASH's default solver settings (scaling, matmul dtype, planned iterations, relative
     damping) with ``method``."""
-    return replace(DashConfig().root_settings, method=method)
+    return replace(DashConfig().root_settings, method=method, root_order=ROOT)
 
 
 def gradients(num_blocks: int, size: int, rank: int, noise: float, generator: torch.Generator) -> list[Tensor]:
@@ -189,7 +189,7 @@ def make_problem(case: str, num_blocks: int, size: int, device: torch.device) ->
 
 def solve(problem: Problem, method: str) -> Callable[[], RootResult]:
     settings = root_settings(method)
-    return lambda: inverse_root(problem.statistics, problem.eps, ROOT, settings, problem.scale, DEFAULT_EPSILON)
+    return lambda: inverse_root(problem.statistics, problem.eps, settings, problem.scale, DEFAULT_EPSILON)
 
 
 def rejected_blocks(result: RootResult, method: str) -> int:

@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, format_columns, synchronize, write_json
 
+from lightning_dash.optim import DashConfig
 from lightning_dash.optim.roots import (
     INVERSE_ROOT_METHODS,
     MATMUL_DTYPES,
@@ -191,8 +192,10 @@ def solver_settings(dtype_names: list[str]) -> list[RootSettings]:
     Newton solvers at a fixed ten iterations per pass (DASH's own default plans them)."""
     iterative = [method for method in INVERSE_ROOT_METHODS if method != "eigh"]
     dtypes = [getattr(torch, name) for name in dtype_names]
-    return [RootSettings(method="eigh")] + [
-        RootSettings(method=method, scaling=scaling, matmul_dtype=dtype, iterations=10)
+    # DASH's defaults, as this table has always used them: the fourth root and absolute damping.
+    base = replace(DashConfig().root_settings, root_order=ROOT, relative_epsilon=False)
+    return [replace(base, method="eigh")] + [
+        replace(base, method=method, scaling=scaling, matmul_dtype=dtype, iterations=10)
         for method in iterative
         for dtype in dtypes
         for scaling in SCALINGS
@@ -205,10 +208,10 @@ def measure(problem: Problem, relative_eps: float, settings: RootSettings, devic
     device = stats.device
 
     def batched() -> Tensor:
-        return inverse_root(stats, eps, ROOT, settings).root
+        return inverse_root(stats, eps, settings).root
 
     def per_block() -> list[Tensor]:
-        return [inverse_root(stats[i : i + 1], eps[i : i + 1], ROOT, settings).root for i in range(num_blocks)]
+        return [inverse_root(stats[i : i + 1], eps[i : i + 1], settings).root for i in range(num_blocks)]
 
     warmup_s, roots = timed(batched, device)
     repetitions = repetitions_for(warmup_s)

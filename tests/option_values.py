@@ -54,7 +54,7 @@ _OPTIMIZER_WIDE: dict[str, Callable[[DASH], Any]] = {
     "precondition": lambda dash: dash.precondition,
     "split_rows": lambda dash: dash.split_rows,
     "inverse_root_method": lambda dash: dash.root_settings.method,
-    "root_order": lambda dash: dash.root_settings.order,
+    "root_order": lambda dash: dash.root_settings.root_order,
     "matrix_scaling": lambda dash: dash.root_settings.scaling,
     "matmul_dtype": lambda dash: str(dash.root_settings.matmul_dtype).removeprefix("torch."),
     "grafting": lambda dash: dash.grafting,

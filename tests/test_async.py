@@ -159,9 +159,9 @@ def test_bookkeeping_swaps_at_the_deadline_and_counts_failures_there():
     real = inverse_root
     calls = {"count": 0}
 
-    def first_call_fails(statistics, eps, root, settings, scale=None, min_eps=None):
+    def first_call_fails(statistics, eps, settings, scale=None, min_eps=None):
         calls["count"] += 1
-        result = real(statistics, eps, root, settings, scale, min_eps)
+        result = real(statistics, eps, settings, scale, min_eps)
         if calls["count"] == 1:
             broken = result.root.clone()
             broken[0] = math.nan
@@ -271,9 +271,9 @@ def test_stream_protocol_with_fake_cuda():
     ops = FakeCudaOps()
     real = inverse_root
 
-    def solver(statistics, eps, root, settings, scale=None, min_eps=None):
+    def solver(statistics, eps, settings, scale=None, min_eps=None):
         ops.log.append(("solve", ops.current.name))
-        return real(statistics, eps, root, settings, scale, min_eps)
+        return real(statistics, eps, settings, scale, min_eps)
 
     model = make_model()
     opt = dash(model, precondition_frequency=4, async_preconditioning=True, max_staleness=3)

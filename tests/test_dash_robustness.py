@@ -111,9 +111,9 @@ def failing_solver(fail_on_call: set[int]):
     real = inverse_root
     calls = {"count": 0}
 
-    def solver(statistics, eps, root, settings, scale=None, min_eps=None):
+    def solver(statistics, eps, settings, scale=None, min_eps=None):
         calls["count"] += 1
-        result = real(statistics, eps, root, settings, scale, min_eps)
+        result = real(statistics, eps, settings, scale, min_eps)
         if calls["count"] in fail_on_call:
             broken = result.root.clone()
             broken[0] = math.nan

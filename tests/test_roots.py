@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from lightning_dash.optim import DashConfig
 from lightning_dash.optim.roots import (
     INVERSE_ROOT_METHODS,
     MAX_ROOT_ERROR,
@@ -17,6 +20,13 @@ from lightning_dash.optim.roots import (
 from lightning_dash.optim.roots.newton import planned_scaled_iterations
 from lightning_dash.optim.roots.scaling import frobenius_scale, power_iteration_scale
 from lightning_dash.testing.op_counts import count_ops
+
+
+def root_settings(**changes) -> RootSettings:
+    """DASH's default root settings (``DashConfig().root_settings``) with ``changes``; unless changed, the
+    Newton-DB solver, the fourth root and absolute damping, as these tests' expectations are written for."""
+    fixed = {"method": "newton_db", "root_order": 4, "relative_epsilon": False, **changes}
+    return dataclasses.replace(DashConfig().root_settings, **fixed)
 
 
 def spd_stack(n: int, size: int, condition: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,8 +74,8 @@ def test_root_matches_float64_eigh(method, dtype, scaling, p):
     # the exact (A + eps I)^(-1/p) is what every solver targets.
     eps_value = {torch.float32: 1e-6, torch.float16: 0.05, torch.bfloat16: 0.5}[dtype]
     eps = torch.full((5,), eps_value, dtype=torch.float64)
-    settings = RootSettings(method=method, scaling=scaling, matmul_dtype=dtype)
-    result = inverse_root(stats.float(), eps.float(), p, settings)
+    settings = root_settings(method=method, scaling=scaling, matmul_dtype=dtype, root_order=p)
+    result = inverse_root(stats.float(), eps.float(), settings)
     assert result.root.dtype == torch.float32
     assert relative_error(result.root, reference_root(basis, values, eps_value, p)) < TOLERANCE[(method, dtype)]
 
@@ -75,16 +85,16 @@ def test_batched_equals_one_block_at_a_time(method):
     stats, _, _ = spd_stack(6, 24, condition=50.0, seed=3)
     stats = stats.float()
     eps = torch.linspace(1e-6, 1e-3, 6)
-    settings = RootSettings(method=method)
-    batched = inverse_root(stats, eps, 4, settings).root
-    single = torch.cat([inverse_root(stats[i : i + 1], eps[i : i + 1], 4, settings).root for i in range(6)])
+    settings = root_settings(method=method)
+    batched = inverse_root(stats, eps, settings).root
+    single = torch.cat([inverse_root(stats[i : i + 1], eps[i : i + 1], settings).root for i in range(6)])
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", INVERSE_ROOT_METHODS)
 def test_zero_blocks_give_finite_roots(method):
     stats = torch.zeros(3, 16, 16)
-    result = inverse_root(stats, torch.full((3,), 1e-12), 4, RootSettings(method=method))
+    result = inverse_root(stats, torch.full((3,), 1e-12), root_settings(method=method))
     assert torch.isfinite(result.root).all()
     # The exact answer is eps^(-1/4) I; eigh and the Newton solvers reach it.
     if method != "chebyshev":
@@ -93,8 +103,8 @@ def test_zero_blocks_give_finite_roots(method):
 
 def test_newton_residual_reports_convergence():
     stats, _, _ = spd_stack(4, 32, condition=10.0)
-    converged = inverse_root(stats.float(), torch.full((4,), 1e-6), 4, RootSettings(iterations=15))
-    truncated = inverse_root(stats.float(), torch.full((4,), 1e-6), 4, RootSettings(iterations=2))
+    converged = inverse_root(stats.float(), torch.full((4,), 1e-6), root_settings(iterations=15))
+    truncated = inverse_root(stats.float(), torch.full((4,), 1e-6), root_settings(iterations=2))
     assert converged.residual.max() < 1e-4
     assert truncated.residual.min() > 1e-2
 
@@ -122,7 +132,7 @@ def test_power_iteration_ignores_global_random_state():
 def test_chebyshev_regularises_below_its_floor():
     # Eigenvalues far below the interpolation floor are damped, never blown up.
     stats, basis, values = spd_stack(2, 32, condition=1e6)
-    result = inverse_root(stats.float(), torch.full((2,), 1e-9), 4, RootSettings(method="chebyshev"))
+    result = inverse_root(stats.float(), torch.full((2,), 1e-9), root_settings(method="chebyshev"))
     eigenvalues = torch.linalg.eigvalsh(result.root.double())
     floor_value = (chebyshev_floor(40) * values[:, 0].max().item()) ** -0.25
     assert torch.isfinite(eigenvalues).all()
@@ -135,7 +145,7 @@ def test_eigh_clamps_rank_deficient_statistics():
     # keeps every damped eigenvalue at least eps (1e-2 here, well above that noise).
     g = torch.randn(12, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     stats = (g @ g.T).unsqueeze(0)
-    result = inverse_root(stats.float(), torch.tensor([1e-2]), 4, RootSettings(method="eigh"))
+    result = inverse_root(stats.float(), torch.tensor([1e-2]), root_settings(method="eigh"))
     values, vectors = torch.linalg.eigh(stats[0])
     expected = (vectors * (values.clamp_min(0) + 1e-2).pow(-0.25)) @ vectors.T
     torch.testing.assert_close(result.root[0].double(), expected, rtol=1e-3, atol=1e-3)
@@ -150,8 +160,8 @@ def test_newton_solvers_stay_finite_on_rank_deficient_statistics(method, dtype, 
     for rank in (1, 3, 16):
         g = torch.randn(8, 64, rank, generator=generator)
         stats = g @ g.transpose(1, 2)
-        settings = RootSettings(method=method, matmul_dtype=dtype, iterations=iterations)
-        root = inverse_root(stats, torch.full((8,), 1e-12), 4, settings).root
+        settings = root_settings(method=method, matmul_dtype=dtype, iterations=iterations)
+        root = inverse_root(stats, torch.full((8,), 1e-12), settings).root
         assert torch.isfinite(root).all()
         # A^(-1/4) of a PSD matrix is positive definite.
         values = torch.linalg.eigvalsh(root.double())
@@ -163,7 +173,7 @@ def test_newton_db_resolves_ill_conditioned_factors_in_ten_iterations(condition,
     """Scaled Newton-Schulz: ten iterations per pass reach eigh-like accuracy at condition
     1e3 and stay within 2% at 1e5, where the unscaled iteration was off by 77% (measured)."""
     stats, basis, values = spd_stack(4, 48, condition=condition, seed=2)
-    result = inverse_root(stats.float(), torch.full((4,), 1e-12), 4, RootSettings(method="newton_db"))
+    result = inverse_root(stats.float(), torch.full((4,), 1e-12), root_settings(method="newton_db"))
     assert relative_error(result.root, reference_root(basis, values, 1e-12, 4)) < tolerance
 
 
@@ -182,8 +192,8 @@ def test_iterative_solvers_never_wait_on_the_host(method, dtype):
     no value is read back: the whole refresh can be queued on a GPU without a stall."""
     stats = shampoo_factor(3, 32, 4, seed=0).float()
     eps, scale = torch.full((3,), 1e-6), torch.full((3,), 2.0, dtype=torch.float64)
-    settings = RootSettings(method=method, matmul_dtype=dtype, relative_epsilon=True)
-    result, counts = count_ops(lambda: inverse_root(stats, eps, 4, settings, scale, 1e-6))
+    settings = root_settings(method=method, matmul_dtype=dtype, relative_epsilon=True)
+    result, counts = count_ops(lambda: inverse_root(stats, eps, settings, scale, 1e-6))
     assert counts.sync_count == 0, counts.syncs
     assert torch.isfinite(result.root).all()
 
@@ -193,10 +203,10 @@ def test_newton_db_fourth_root_is_one_pass_of_four_matmuls_per_iteration():
     needs no matmul into ``X = I`` and whose last needs no ``M``, 4 (K - 1) = 40 matmuls with
     the Frobenius bound (two Newton-Schulz passes took 13 + 9 iterations, 66 matmuls)."""
     stats = shampoo_factor(2, 32, 4, seed=1).float()
-    settings = RootSettings(method="newton_db", scaling="frobenius", relative_epsilon=True)
+    settings = root_settings(method="newton_db", scaling="frobenius", relative_epsilon=True)
     floor = spectrum_floor(settings, 32, 1e-6)
     iterations = planned_scaled_iterations(floor, 1.0, 4)
-    _, counts = count_ops(lambda: inverse_root(stats, torch.full((2,), 1e-6), 4, settings, None, 1e-6))
+    _, counts = count_ops(lambda: inverse_root(stats, torch.full((2,), 1e-6), settings, None, 1e-6))
     assert iterations <= 11
     assert counts.launches["bmm"] == 4 * (iterations - 1)
 
@@ -212,8 +222,8 @@ def test_newton_roots_of_rank_deficient_factors_at_the_default_damping(method, s
     damping = 1e-6 * torch.linalg.matrix_norm(stats)
     values, vectors = torch.linalg.eigh(stats)
     expected = (vectors * (values + damping[:, None]).pow(-0.25).unsqueeze(1)) @ vectors.transpose(1, 2)
-    settings = RootSettings(method=method, scaling=scaling, relative_epsilon=True)
-    result = inverse_root(stats.float(), torch.full((4,), 1e-6), 4, settings, None, 1e-6)
+    settings = root_settings(method=method, scaling=scaling, relative_epsilon=True)
+    result = inverse_root(stats.float(), torch.full((4,), 1e-6), settings, None, 1e-6)
     error = ((result.root.double() - expected).norm(dim=(1, 2)) / expected.norm(dim=(1, 2))).max().item()
     assert error < 3e-3
     assert result.residual.max() < 2e-5
@@ -223,5 +233,5 @@ def test_newton_roots_of_rank_deficient_factors_at_the_default_damping(method, s
 def test_failure_residual_allows_the_largest_root_error_at_each_order(order):
     # A residual r of P = X^p A leaves the root's eigenvalues off by (1 - r)^(1/p): at the
     # threshold, exactly MAX_ROOT_ERROR (float32's roundoff floor is far below it).
-    limit = failure_residual(RootSettings(order=order))
+    limit = failure_residual(root_settings(root_order=order))
     assert 1.0 - (1.0 - limit) ** (1.0 / order) == pytest.approx(MAX_ROOT_ERROR)

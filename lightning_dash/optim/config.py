@@ -268,12 +268,12 @@ class DashConfig:
         """How the inverse roots are computed."""
         return RootSettings(
             method=self.inverse_root_method,
+            root_order=self.root_order,
             scaling=self.matrix_scaling,
             matmul_dtype=check_matmul_dtype(self.matmul_dtype),
             iterations=self.root_iterations,
             chebyshev_degree=self.chebyshev_degree,
             relative_epsilon=self.relative_epsilon,
-            order=self.root_order,
         )
 
 

@@ -36,16 +36,23 @@ class RootResult:
 
 @dataclass(frozen=True)
 class RootSettings:
-    """How inverse roots are computed; shared by every stack of one optimizer."""
+    """How inverse roots are computed; shared by every stack of one optimizer.
 
-    method: str = "newton_db"
-    scaling: str = "power_iteration"
-    matmul_dtype: torch.dtype = torch.float32
-    iterations: int | None = None
-    chebyshev_degree: int = 40
+    It carries DASH's options of the same names (``inverse_root_method`` as ``method``,
+    ``matrix_scaling`` as ``scaling``, ``root_iterations`` as ``iterations``), whose defaults
+    live in :class:`~lightning_dash.optim.DashConfig` alone: build one with
+    ``DashConfig(...).root_settings``. ``tolerance`` (None: :data:`DEFAULT_TOLERANCE` of the
+    matmul dtype) is the Newton solvers' convergence test.
+    """
+
+    method: str
+    root_order: int
+    scaling: str
+    matmul_dtype: torch.dtype
+    iterations: int | None
+    chebyshev_degree: int
+    relative_epsilon: bool
     tolerance: float | None = None
-    relative_epsilon: bool = False
-    order: int = 4
 
     def resolved_tolerance(self) -> float:
         return DEFAULT_TOLERANCE[self.matmul_dtype] if self.tolerance is None else self.tolerance
@@ -58,7 +65,7 @@ MAX_ROOT_ERROR = 0.1
 def failure_residual(settings: RootSettings) -> float:
     """Residual above which a Newton root counts as failed.
 
-    Both Newton solvers run the coupled iteration of ``A^(-1/p)`` (``p = settings.order``;
+    Both Newton solvers run the coupled iteration of ``A^(-1/p)`` (``p = settings.root_order``;
     Newton-DB with per-step scalings planned on the host) and report ``max|I - P|`` for the
     product ``P = X^p A``, whose eigenvalues ``w`` tend to 1; the root's eigenvalues are then
     off by the factor ``w^(1/p)``. A residual ``r`` thus allows an error of
@@ -66,7 +73,7 @@ def failure_residual(settings: RootSettings) -> float:
     root, 0.19 for the square root) accepts at most :data:`MAX_ROOT_ERROR`. It is never below
     four times the convergence tolerance of the matmul dtype, the residual roundoff alone leaves.
     """
-    theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** settings.order
+    theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** settings.root_order
     return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_dtype])
 
 

@@ -200,23 +200,23 @@ def _coupled_iteration(
     return symmetrize(inverse_root), residual
 
 
-def newton_db(matrices: Tensor, root: int, settings: RootSettings, floor: float) -> tuple[Tensor, Tensor]:
+def newton_db(matrices: Tensor, settings: RootSettings, floor: float) -> tuple[Tensor, Tensor]:
     """``A^(-1/p)`` for p in {2, 4} by one scaled coupled Newton iteration (for p = 2 the
     scaled Newton-Schulz iteration) whose scalings are planned on the host from the spectrum
     bounds ``[floor, upper]``; ``iterations=None`` runs as many as that interval needs."""
-    tolerance, dtype = settings.resolved_tolerance(), settings.matmul_dtype
+    root, tolerance, dtype = settings.root_order, settings.resolved_tolerance(), settings.matmul_dtype
     upper = spectral_upper_bound(settings.scaling)
     iterations = settings.iterations or planned_scaled_iterations(floor, upper, root)
     lower = _design_lower(upper, iterations, floor, root)
     return _coupled_iteration(matrices, root, _scaling_schedule(lower, upper, iterations, root), tolerance, dtype)
 
 
-def coupled_newton(matrices: Tensor, root: int, settings: RootSettings, floor: float) -> tuple[Tensor, Tensor]:
+def coupled_newton(matrices: Tensor, settings: RootSettings, floor: float) -> tuple[Tensor, Tensor]:
     """Guo-Higham coupled iteration ``X <- X N, M <- N^p M, N = ((p+1) I - M) / p``, unscaled.
 
     Converges to ``A^(-1/p)`` for every eigenvalue of the scaled input in (0, p+1);
     without a set number of iterations, runs as many as an eigenvalue at ``floor`` needs.
     """
-    tolerance = settings.resolved_tolerance()
+    root, tolerance = settings.root_order, settings.resolved_tolerance()
     iterations = settings.iterations or planned_coupled_newton_iterations(floor, root, tolerance)
     return _coupled_iteration(matrices, root, (1.0,) * iterations, tolerance, settings.matmul_dtype)

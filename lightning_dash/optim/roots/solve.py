@@ -94,19 +94,18 @@ def spectrum_floor(settings: RootSettings, size: int, min_eps: float | None) -> 
 def inverse_root(
     statistics: Tensor,
     eps: Tensor,
-    root: int,
     settings: RootSettings,
     scale: Tensor | None = None,
     min_eps: float | None = None,
 ) -> RootResult:
-    """Compute ``(scale * statistics + d I)^(-1/root)`` for every block of a stack.
+    """Compute ``(scale * statistics + d I)^(-1/p)`` for every block of a stack (``p = settings.root_order``).
 
     Args:
         statistics: ``(n, b, b)`` symmetric PSD matrices (float32 or float64).
         eps: ``(n,)`` non-negative damping: ``d = eps`` or, with
             ``settings.relative_epsilon``, ``d = eps * ||scale * statistics||_F``.
-        root: the root order p (2 or 4 for the Newton solvers; any for eigh/chebyshev).
-        settings: solver, scaling and matmul precision.
+        settings: solver, root order p (2 or 4 for the Newton solvers; any for eigh and
+            chebyshev), scaling and matmul precision.
         scale: ``(n,)`` positive factor each block is stored divided by (None: 1);
             kept separate so that statistics of any magnitude never overflow.
         min_eps: the smallest entry of ``eps``, known on the host. With relative
@@ -124,6 +123,7 @@ def inverse_root(
     """
     if settings.method not in INVERSE_ROOT_METHODS:
         raise ValueError(f"inverse_root_method must be one of {INVERSE_ROOT_METHODS}, got {settings.method!r}")
+    root = settings.root_order
     matrices, eps, magnitude = normalise(statistics, eps, scale, settings.relative_epsilon)
     if matrices.dtype == torch.float64:
         settings = replace(settings, matmul_dtype=torch.float64)
@@ -138,10 +138,10 @@ def inverse_root(
             scaled.diagonal(dim1=1, dim2=2).add_(lift.unsqueeze(1))
         floor = spectrum_floor(settings, matrices.shape[-1], min_eps)
         if settings.method == "newton_db":
-            result, residual = newton_db(scaled, root, settings, floor)
+            result, residual = newton_db(scaled, settings, floor)
         elif settings.method == "coupled_newton":
-            result, residual = coupled_newton(scaled, root, settings, floor)
+            result, residual = coupled_newton(scaled, settings, floor)
         else:
-            result, residual = chebyshev(scaled, eps / solver_scale, root, settings), None
+            result, residual = chebyshev(scaled, eps / solver_scale, settings), None
         result = result * solver_scale.pow(-1.0 / root)[:, None, None]
     return RootResult(result * magnitude.pow(-1.0 / root).to(result.dtype)[:, None, None], residual)

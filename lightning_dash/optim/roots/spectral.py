@@ -27,7 +27,7 @@ def chebyshev_floor(degree: int, tolerance: float = 1e-3) -> float:
     return (math.log(1.0 / tolerance) / (2.0 * degree)) ** 2
 
 
-def chebyshev(matrices: Tensor, relative_eps: Tensor, root: int, settings: RootSettings) -> Tensor:
+def chebyshev(matrices: Tensor, relative_eps: Tensor, settings: RootSettings) -> Tensor:
     """Clenshaw evaluation of the Chebyshev interpolant of ``x^(-1/p)`` on ``[low, high]``.
 
     ``matrices`` has its spectrum in ``[relative_eps, ~1]``. ``low`` is the larger of
@@ -38,7 +38,7 @@ def chebyshev(matrices: Tensor, relative_eps: Tensor, root: int, settings: RootS
     times the scale. Extrapolating above ``high`` grows without bound, so ``high``
     covers the scale's uncertainty: 1 for the Frobenius bound, 1.5 for power iteration.
     """
-    degree, dtype = settings.chebyshev_degree, settings.matmul_dtype
+    root, degree, dtype = settings.root_order, settings.chebyshev_degree, settings.matmul_dtype
     low = relative_eps.double().clamp_min(chebyshev_floor(degree))
     high = spectral_upper_bound(settings.scaling)
     nodes = torch.arange(degree + 1, device=matrices.device, dtype=torch.float64)

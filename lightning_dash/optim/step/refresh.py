@@ -29,7 +29,7 @@ from lightning_dash.optim.stacks.state import StackState
 from lightning_dash.optim.step.async_refresh import RootPipeline
 from lightning_dash.optim.step.update import StackWork, per_block
 
-#: ``solver(stacked factors, eps, root, settings, scale, min_eps)``, as
+#: ``solver(stacked factors, eps, settings, scale, min_eps)``, as
 #: :func:`~lightning_dash.optim.roots.inverse_root`.
 Solver = Callable[..., RootResult]
 
@@ -219,7 +219,7 @@ class RootRefresher:
 
     def _solve(self, job: RootJob) -> list[RootResult]:
         return [
-            self.solver(request.inputs, request.eps, self.settings.order, self.settings, request.scale, request.min_eps)
+            self.solver(request.inputs, request.eps, self.settings, request.scale, request.min_eps)
             for request in job.requests
         ]
 

@@ -1,12 +1,12 @@
 """MkDocs hook: pages say ``<!-- generated: NAME -->`` and get text built from the code.
 
 The option table and the constructor signature come from :class:`lightning_dash.DashConfig`,
-the one list of options, so the documentation cannot drift from it. ``tests/test_docs.py``
+the one list of options, so the documentation cannot drift from it. ``tests/docs/test_docs.py``
 renders the same text and checks it against ``DashConfig``.
 
 The module map (``module_map``) comes from the package's files: every module and package of
 ``lightning_dash/`` with the summary of its docstring (its first paragraph), sub-packages in the
-order of their imports. ``tests/test_module_map.py`` checks it lists every module and that the
+order of their imports. ``tests/docs/test_module_map.py`` checks it lists every module and that the
 summaries are sentences, one per module. ``python docs/hooks/generated.py module_map`` prints it.
 """
 

@@ -23,7 +23,7 @@ from composer_runs import (
     reference_parameters,
     schedule_factor,
 )
-from option_values import NON_DEFAULT, assert_carries, user_optimizer
+from helpers.option_values import NON_DEFAULT, assert_carries, user_optimizer
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_dash import DASH, DashConfig
@@ -51,7 +51,7 @@ def test_dash_trains_with_the_composer_schedule(kind: str) -> None:
 
 def test_the_algorithm_at_its_defaults_steps_as_dash_from_the_same_optimizer() -> None:
     """One lr meaning: ``Dash()`` with no options takes the steps of ``DASH.from_optimizer`` on the
-    same ``DecoupledAdamW`` (which the Lightning lane's tests/test_lr_rule.py ties to plain ``DASH``
+    same ``DecoupledAdamW`` (which the Lightning lane's tests/trainers/test_lr_rule.py ties to plain ``DASH``
     at the same lr, and to the Lightning and Fabric strategies)."""
     trainer = make_trainer("gpt", "6ba", algorithm_options={})
     trainer.fit()

@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import yaml
-from doc_blocks import all_blocks, run_python
+from helpers.doc_blocks import all_blocks, run_python
 
 from lightning_dash.composer import Dash, DashComposerMonitor
 

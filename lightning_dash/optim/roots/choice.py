@@ -10,7 +10,7 @@ block size. A block size maps to its bucket, the smallest recorded size at least
   ``benchmarks/results/solver_choice_cpu.json``): per size, the fastest solver whose
   roots of realistic factors (a full-rank and a rank-deficient one, DASH's default damping
   and solver settings) are within :data:`REQUIRED_RELATIVE_ERROR` of a float64 ``eigh``
-  and pass the optimizer's acceptance test. ``tests/test_solver_choice.py`` keeps the
+  and pass the optimizer's acceptance test. ``tests/optim/test_solver_choice.py`` keeps the
   table equal to the recorded winners.
 * ``cuda``: ``newton_db`` at every size, not measured here (no GPU); see :data:`CUDA_TABLE`.
 * any other device type: ``eigh``, the reference solver (exact at any damping, nothing to tune).

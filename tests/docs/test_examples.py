@@ -21,7 +21,7 @@ from lightning_dash import DASH
 from lightning_dash.showcase.lightning_gpt import GPTModule, StdlibBytes, warmup_cosine
 from lightning_dash.showcase.stdlib_text import RandomWindows
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = [
     "--width",
     "32",

@@ -8,13 +8,11 @@ sharding promises.
 from __future__ import annotations
 
 import math
-import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.spawning import spawn
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -56,26 +54,6 @@ def block_state_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
     """One block: two factors and two roots, momentum and grafting second moment, and its
     scalars (validity flag, failure count, float64 factor scale)."""
     return dtype_bytes * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols) + 1 + 4 + 8
-
-
-def _run(rank: int, world_size: int, init_file: str, check) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
-    )
-    try:
-        check(rank, world_size)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    # Every check passed and the group is gone: leave without interpreter finalisation, where a gloo
-    # worker still releasing the last collective's tensors aborts the process ("terminate called
-    # without an active exception"; lightning_dash.distributed.gloo_exit explains the race).
-    os._exit(0)
-
-
-def spawn(check, world_size: int, tmp_path) -> None:
-    mp.spawn(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size)
 
 
 def check_extreme_scales(rank: int, world_size: int) -> None:
@@ -180,7 +158,7 @@ def test_parameters_fsdp2_does_not_shard_are_named_in_an_error(tmp_path):
 def check_launches_and_host_reads(rank: int, world_size: int) -> None:
     """The optimizer step on FSDP2 shards, counted with ``op_counts`` on every rank: no host
     synchronisation, and as many launches at 24 layers as at 6 (refresh steps and others)."""
-    from test_step_shape import gpt_params
+    from helpers.toy_models import gpt_params
 
     def counts(layers: int) -> list:
         named = gpt_params(layers)

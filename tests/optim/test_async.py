@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from reference import ReferenceDash
+from helpers.reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, DashStrategy
@@ -427,7 +427,7 @@ def test_bf16_mixed_accumulation_and_compile_on_cpu_equal_the_option_off(tmp_pat
 
 # --------------------------------------------------------------------------- two processes
 def two_process_run(tmp_path, name: str, emulate: bool = False, **options) -> list[torch.Tensor]:
-    from test_strategy import DASH_OPTIONS, release_process_group, trainer
+    from helpers.lightning_parity import DASH_OPTIONS, release_process_group, trainer
 
     run = trainer(2, 3, tmp_path, strategy=DashStrategy(start_method="spawn", **{**DASH_OPTIONS, **options}))
     path = tmp_path / f"{name}.pt"
@@ -447,7 +447,13 @@ def test_two_processes_emulated_staleness_keeps_ranks_in_step(tmp_path):
     """Emulated asynchronous roots with ownership (each rank launches its own blocks; the
     failure count is a collective at the closing steps): ranks stay bit-identical and
     equal one process with the same staleness."""
-    from test_strategy import DASH_OPTIONS, adamw_with_schedule, assert_matches_reference, global_batch, network
+    from helpers.lightning_parity import (
+        DASH_OPTIONS,
+        adamw_with_schedule,
+        assert_matches_reference,
+        global_batch,
+        network,
+    )
 
     sharded = two_process_run(tmp_path, "emulated", emulate=True, async_preconditioning=True, max_staleness=2)
     model = network()
@@ -469,21 +475,21 @@ class FinalParameters(pl.LightningModule):
 
     def __init__(self, path: str, emulate: bool = False) -> None:
         super().__init__()
-        from test_strategy import network
+        from helpers.lightning_parity import network
 
         self.net = network()
         self.path = path
         self.emulate = emulate
 
     def training_step(self, data, batch_idx):
-        from test_strategy import global_batch
+        from helpers.lightning_parity import global_batch
 
         x, y = global_batch(self.trainer.global_step)
         rank, world = self.trainer.global_rank, self.trainer.world_size
         return nn.functional.mse_loss(self.net(x[rank::world]), y[rank::world])
 
     def configure_optimizers(self):
-        from test_strategy import adamw_with_schedule
+        from helpers.lightning_parity import adamw_with_schedule
 
         optimizer, _ = adamw_with_schedule(self.parameters())
         return optimizer
@@ -495,7 +501,7 @@ class FinalParameters(pl.LightningModule):
         self.trainer.optimizers[0].roots.pipeline.emulate = self.emulate
 
     def on_train_batch_end(self, outputs, data, batch_idx):
-        from test_strategy import assert_identical_across_ranks
+        from helpers.lightning_parity import assert_identical_across_ranks
 
         assert_identical_across_ranks(self, self.trainer.world_size)
 
@@ -510,7 +516,7 @@ class FinalParameters(pl.LightningModule):
 
 # --------------------------------------------------------------------------- benchmark
 def test_benchmark_smoke_run_writes_the_record_layout(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "async_overlap.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "async_overlap.py"
     spec = importlib.util.spec_from_file_location("async_overlap", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["async_overlap"] = module  # dataclasses look their module up there

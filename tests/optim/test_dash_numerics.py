@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import ReferenceDash, inverse_root
+from helpers.reference import ReferenceDash, inverse_root
 
 from lightning_dash import DASH
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_dash"
 MODULES = sorted(path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts)
 

@@ -28,7 +28,7 @@ from lightning_dash.optim.roots.choice import (
     explain_choice,
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = BENCHMARKS / "results" / "solver_choice_cpu.json"
 DEVICE_TYPES = ("cpu", "cuda", "cuda:1", "mps", "xpu", "meta")
 SIZES = (1, 2, 15, 16, 17, 31, 100, 128, 129, 500, 1000, 1024, 1025, 2048, 2049, 4096, 100_000)

@@ -7,7 +7,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import assert_identical_across_ranks, trainer
+from helpers.lightning_parity import assert_identical_across_ranks, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -12,36 +12,11 @@ import math
 
 import pytest
 import torch
+from helpers.toy_models import gpt_params
 
 from lightning_dash import DASH
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
 from lightning_dash.testing.op_counts import count_ops
-
-WIDTH = 64
-
-
-def gpt_params(layers: int) -> list[tuple[str, torch.nn.Parameter]]:
-    """GPT-2-style parameter shapes (fused QKV, 4x MLP, LayerNorms, biases) of width 64."""
-    w = WIDTH
-    shapes = [("wte", (256, w)), ("wpe", (64, w))]
-    for layer in range(layers):
-        for name, shape in [
-            ("ln_1.weight", (w,)),
-            ("ln_1.bias", (w,)),
-            ("attn.c_attn.weight", (3 * w, w)),
-            ("attn.c_attn.bias", (3 * w,)),
-            ("attn.c_proj.weight", (w, w)),
-            ("attn.c_proj.bias", (w,)),
-            ("ln_2.weight", (w,)),
-            ("ln_2.bias", (w,)),
-            ("mlp.c_fc.weight", (4 * w, w)),
-            ("mlp.c_fc.bias", (4 * w,)),
-            ("mlp.c_proj.weight", (w, 4 * w)),
-            ("mlp.c_proj.bias", (w,)),
-        ]:
-            shapes.append((f"h.{layer}.{name}", shape))
-    generator = torch.Generator().manual_seed(0)
-    return [(name, torch.nn.Parameter(0.02 * torch.randn(shape, generator=generator))) for name, shape in shapes]
 
 
 def set_grads(params: list[tuple[str, torch.nn.Parameter]], step: int, scale: float = 1e-3) -> None:

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The README, the documentation pages and the Composer method card shipped in the package.
 DOC_FILES = [
     ROOT / "README.md",

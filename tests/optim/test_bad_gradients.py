@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from reference import ReferenceDash
+from helpers.reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, RootComputationError

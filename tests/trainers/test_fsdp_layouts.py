@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
+from helpers.lightning_parity import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader

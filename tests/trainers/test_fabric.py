@@ -16,8 +16,7 @@ import lightning.fabric
 import lightning_fabric
 import pytest
 import torch
-from lightning.fabric import Fabric
-from test_fsdp_strategy import (
+from helpers.fsdp_parity import (
     DASH_OPTIONS,
     TinyLM,
     adamw_with_schedule,
@@ -26,7 +25,8 @@ from test_fsdp_strategy import (
     lm_loss,
     reference_trajectory,
 )
-from test_strategy import clean_process_group  # noqa: F401 (an autouse fixture)
+from helpers.lightning_parity import clean_process_group  # noqa: F401 (an autouse fixture)
+from lightning.fabric import Fabric
 from torch import nn
 from torch.distributed.tensor import DTensor
 

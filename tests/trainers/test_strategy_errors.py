@@ -16,10 +16,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.strategies import StrategyRegistry
-from pytorch_lightning.demos.boring_classes import BoringModel as StandaloneBoringModel
-from test_strategy import (  # noqa: F401 (clean_process_group: an autouse fixture)
+from helpers.lightning_parity import (  # noqa: F401 (clean_process_group: an autouse fixture)
     DASH_OPTIONS,
     ParityModule,
     clean_process_group,
@@ -27,6 +24,9 @@ from test_strategy import (  # noqa: F401 (clean_process_group: an autouse fixtu
     release_process_group,
     trainer,
 )
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import StrategyRegistry
+from pytorch_lightning.demos.boring_classes import BoringModel as StandaloneBoringModel
 from torch import nn
 
 import lightning_dash

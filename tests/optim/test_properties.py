@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers.reference import ReferenceDash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH

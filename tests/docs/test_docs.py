@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import yaml
-from doc_blocks import DOC_FILES, MARKERS, ROOT, all_blocks, check_command, commands, run_python
+from helpers.doc_blocks import DOC_FILES, MARKERS, ROOT, all_blocks, check_command, commands, run_python
 
 from lightning_dash import DASH, DashConfig
 

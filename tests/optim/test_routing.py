@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.toy_models import ToyMoE, toy_loss
 from torch import nn
 
 from lightning_dash import DASH, DashConfig
@@ -17,37 +18,6 @@ from lightning_dash.optim.routing import CONVOLUTION, EMBEDDING, OUTPUT, describ
 from lightning_dash.optim.stacks.blocks import MatrixView
 
 OPTIONS = dict(lr=0.02, block_size=4, precondition_frequency=1, epsilon=1e-4, weight_decay=0.1)
-
-
-class ToyMoE(nn.Module):
-    """Embedding, fused QKV attention, a dense mixture of experts stored as 3-D
-    parameters ``(experts, out, in)``, and an output layer."""
-
-    def __init__(self, vocab: int = 11, width: int = 6, hidden: int = 10, experts: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.router = nn.Linear(width, experts)
-        self.w_in = nn.Parameter(torch.randn(experts, hidden, width) / width**0.5)
-        self.w_out = nn.Parameter(torch.randn(experts, width, hidden) / hidden**0.5)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = x + torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
-        gate = torch.softmax(self.router(x), dim=-1)  # (batch, time, experts)
-        hidden = torch.relu(torch.einsum("btw,ehw->bteh", x, self.w_in))
-        x = x + torch.einsum("bte,bteh,ewh->btw", gate, hidden, self.w_out)
-        return self.head(self.norm(x))
-
-
-def toy_loss(model: nn.Module, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 11, (4, 5), generator=generator)
-    targets = torch.randint(0, 11, (4, 5), generator=generator)
-    return nn.functional.cross_entropy(model(tokens).reshape(-1, 11), targets.reshape(-1))
 
 
 def train(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers.option_values import NON_DEFAULT, assert_carries, user_optimizer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
-from option_values import NON_DEFAULT, assert_carries, user_optimizer
 
 from lightning_dash import DashStrategy
 from lightning_dash.optim.config import OPTION_NAMES

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from option_values import NON_DEFAULT, assert_carries, user_optimizer
+from helpers.option_values import NON_DEFAULT, assert_carries, user_optimizer
 
 from lightning_dash import DASH, DashConfig
 from lightning_dash.distributed.gradient_sync import CommStats

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from helpers.lightning_parity import clean_process_group, trainer  # noqa: F401 (clean_process_group: an autouse fixture)
+from helpers.spawning import spawn
+from helpers.toy_models import ToyMoE, toy_loss
 from lightning.fabric import Fabric
-from test_routing import ToyMoE, toy_loss
-from test_sharded_training import spawn
-from test_strategy import clean_process_group, trainer  # noqa: F401 (clean_process_group: an autouse fixture)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 

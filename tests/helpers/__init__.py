@@ -1,0 +1,1 @@
+"""What several test modules share: reference implementations, models, trainers and process set-up."""

@@ -1,0 +1,30 @@
+"""Running a check in several gloo processes (``torch.multiprocessing.spawn``), one per rank."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _run(rank: int, world_size: int, init_file: str, check) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+    )
+    try:
+        check(rank, world_size)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    # Every check passed and the group is gone: leave without interpreter finalisation, where a gloo
+    # worker still releasing the last collective's tensors aborts the process ("terminate called
+    # without an active exception"; lightning_dash.distributed.gloo_exit explains the race).
+    os._exit(0)
+
+
+def spawn(check, world_size: int, tmp_path) -> None:
+    mp.spawn(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size)

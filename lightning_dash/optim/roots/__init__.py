@@ -1,5 +1,5 @@
-"""Batched inverse p-th roots of stacked symmetric positive semi-definite matrices: the solvers, their
-spectral scaling and the choice between them (see :mod:`.solve` for the maths)."""
+"""Inverse roots of DASH's Kronecker factors: the batched solvers, their spectral scaling, and which
+one ``inverse_root_method="auto"`` picks (the maths: :mod:`.solve`)."""
 
 from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
 from lightning_dash.optim.roots.common import (

@@ -23,12 +23,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dash.optim.config import DEFAULT_EPSILON
-from lightning_dash.optim.roots import RootSettings, inverse_root
+from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
+from lightning_dash.optim.roots import inverse_root
 from lightning_dash.optim.stacks.blocks import matrix_shape
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms
 from lightning_dash.optim.step.update import UpdateRules, momentum_terms, next_momentum
+
+#: The options of :class:`ShampooLoop` that fix how its roots are computed (DashConfig's names).
+ROOT_OPTIONS = (
+    "inverse_root_method",
+    "root_order",
+    "matrix_scaling",
+    "matmul_dtype",
+    "root_iterations",
+    "chebyshev_degree",
+    "relative_epsilon",
+)
 
 
 @dataclass
@@ -101,6 +112,7 @@ class ShampooLoop(torch.optim.Optimizer):
         root_order: int = 2,
         nesterov: bool = True,
     ) -> None:
+        options = dict(locals())
         defaults = {"lr": lr, "betas": betas, "epsilon": epsilon, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.block_size = block_size
@@ -109,15 +121,8 @@ class ShampooLoop(torch.optim.Optimizer):
         self.grafting_beta2 = grafting_beta2
         self.grafting_epsilon = grafting_epsilon
         self.rules = UpdateRules("adam", nesterov, bias_correction=True)
-        self.root_settings = RootSettings(
-            method=inverse_root_method,
-            root_order=root_order,
-            scaling=matrix_scaling,
-            matmul_dtype=matmul_dtype,
-            iterations=root_iterations,
-            chebyshev_degree=chebyshev_degree,
-            relative_epsilon=relative_epsilon,
-        )
+        # the solver options become RootSettings the way DASH's own configuration makes them
+        self.root_settings = DashConfig.build(**{name: options[name] for name in ROOT_OPTIONS}).root_settings
 
     def _roots_due(self, step: int) -> bool:
         start = self.start_preconditioning_step

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, format_columns, write_json
+from _records import record_type, report_records
+from common import RESULTS_DIR
 
 from lightning_dash.distributed import (
     block_cost,
@@ -47,15 +47,18 @@ RESULTS_PATH = RESULTS_DIR / "balance.json"
 HEAD_DIM = 128
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    vocab: int = 151936
-
+ModelConfig = record_type(
+    "ModelConfig",
+    "The dimensions of a dense decoder that fix its parameter shapes (head dim :data:`HEAD_DIM`).",
+    """
+    layers    int
+    hidden    int
+    ffn       int
+    heads     int
+    kv_heads  int
+    vocab     int  = 151936
+    """,
+)
 
 MODELS = {
     "qwen3-1.7b": ModelConfig(layers=28, hidden=2048, ffn=6144, heads=16, kv_heads=8),
@@ -64,16 +67,20 @@ MODELS = {
 }
 
 
-@dataclass(frozen=True)
-class Record:
-    model: str
-    world_size: int
-    blocks: int
-    lower_bound: float
-    count_bound: float
-    block_lpt: float
-    param_round_robin: float
-    param_greedy: float
+Record = record_type(
+    "Record",
+    "One row of the table and of ``balance.json``: the imbalance (max / mean) of each plan and the bounds.",
+    """
+    model              str
+    world_size         int
+    blocks             int
+    lower_bound        float  {:.3f}
+    count_bound        float  {:.3f}
+    block_lpt          float  {:.3f}
+    param_round_robin  float  {:.3f}
+    param_greedy       float  {:.3f}
+    """,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -135,23 +142,13 @@ def measure(model: str, per_param: list[list[float]], world_size: int) -> Record
     )
 
 
-def print_table(records: list[Record]) -> None:
-    header = list(asdict(records[0]))
-    rows = [
-        [f"{value:.3f}" if isinstance(value, float) else str(value) for value in asdict(record).values()]
-        for record in records
-    ]
-    print(format_columns(header, rows))
-
-
 def main() -> None:
     args = parse_args()
     records = []
     for model, config in MODELS.items():
         per_param = parameter_block_costs(param_shapes(config), args.block_size)
         records.extend(measure(model, per_param, world_size) for world_size in args.world_sizes)
-    print_table(records)
-    print(f"\nwrote {write_json(RESULTS_PATH, records)}")
+    report_records(records, RESULTS_PATH)
 
 
 if __name__ == "__main__":

@@ -405,93 +405,34 @@ def gpt() -> nn.Module:
     return TinyGPT(context=CONTEXT, width=64, depth=2, heads=4)
 
 
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family(
-            "cnn",
-            "CNN with batch norm on scikit-learn's 8x8 digits (val cross-entropy)",
-            DigitsCNN,
-            cross_entropy,
-            digits,
-            batch_size=64,
-            steps=150,
-            adamw_lrs=(1e-3, 3e-3, 1e-2),
-        ),
-        Family(
-            "gru",
-            "byte-level GRU on English text (Python's help topics)",
-            ByteGRU,
-            cross_entropy,
-            lambda: text_windows("english", 8192),
-            batch_size=32,
-            steps=200,
-            adamw_lrs=(3e-3, 1e-2, 3e-2),
-        ),
-        Family(
-            "gpt",
-            "byte-level GPT pretraining on stdlib source (the demo's model, width 64)",
-            gpt,
-            cross_entropy,
-            lambda: text_windows("stdlib", 8192),
-            batch_size=32,
-            steps=200,
-            adamw_lrs=(1e-3, 3e-3, 1e-2),
-            betas=(0.9, 0.95),
-        ),
-        Family(
-            "finetune",
-            "the GPT pretrained on stdlib source, fine-tuned on English text",
-            gpt,
-            cross_entropy,
-            lambda: text_windows("english", 4096),
-            batch_size=32,
-            steps=100,
-            adamw_lrs=(3e-4, 1e-3, 3e-3),
-            betas=(0.9, 0.95),
-            starting_point=load_pretrained,
-        ),
-        Family(
-            "mlp",
-            "residual LayerNorm MLP, tabular regression on scikit-learn's diabetes data (val MSE)",
-            lambda: ResidualMLP(10),
-            mean_squared_error,
-            diabetes,
-            batch_size=32,
-            steps=150,
-            adamw_lrs=(3e-4, 1e-3, 3e-3),
-        ),
-        Family(
-            "embedding",
-            "EmbeddingBag over 2048 hashed identifiers: which stdlib package a code chunk is from",
-            lambda: BagOfWords(2048, len(BOW_PACKAGES)),
-            cross_entropy,
-            lambda: stdlib_chunks(2048),
-            batch_size=64,
-            steps=150,
-            adamw_lrs=(3e-3, 1e-2, 3e-2),
-        ),
-        Family(
-            "moe",
-            "byte-level transformer with top-2 mixture-of-experts layers (3-D expert weights)",
-            ByteMoE,
-            cross_entropy,
-            lambda: text_windows("stdlib", 8192),
-            batch_size=32,
-            steps=150,
-            adamw_lrs=(1e-3, 3e-3, 1e-2),
-            betas=(0.9, 0.95),
-        ),
-        Family(
-            "hf_gpt2",
-            "Hugging Face transformers GPT-2 from a tiny config (tied embeddings), English text",
-            lambda: tiny_gpt2(CONTEXT),
-            cross_entropy,
-            lambda: text_windows("english", 8192),
-            batch_size=32,
-            steps=150,
-            adamw_lrs=(1e-3, 3e-3, 1e-2),
-            betas=(0.9, 0.95),
-        ),
-    )
+def bag_of_words() -> nn.Module:
+    return BagOfWords(2048, len(BOW_PACKAGES))
+
+
+#: AdamW's learning-rate grids, and its betas for the language models (Adam's defaults elsewhere).
+LRS_LOW, LRS_MID, LRS_HIGH = (3e-4, 1e-3, 3e-3), (1e-3, 3e-3, 1e-2), (3e-3, 1e-2, 3e-2)
+ADAM, LM = (0.9, 0.999), (0.9, 0.95)
+english, stdlib = functools.partial(text_windows, "english"), functools.partial(text_windows, "stdlib")
+
+#: One family a row: name, network, loss, data, batch size, steps, AdamW lr grid, betas, starting point.
+ROWS = (
+    ("cnn", DigitsCNN, cross_entropy, digits, 64, 150, LRS_MID, ADAM, None),
+    ("gru", ByteGRU, cross_entropy, lambda: english(8192), 32, 200, LRS_HIGH, ADAM, None),
+    ("gpt", gpt, cross_entropy, lambda: stdlib(8192), 32, 200, LRS_MID, LM, None),
+    ("finetune", gpt, cross_entropy, lambda: english(4096), 32, 100, LRS_LOW, LM, load_pretrained),
+    ("mlp", lambda: ResidualMLP(10), mean_squared_error, diabetes, 32, 150, LRS_LOW, ADAM, None),
+    ("embedding", bag_of_words, cross_entropy, lambda: stdlib_chunks(2048), 64, 150, LRS_HIGH, ADAM, None),
+    ("moe", ByteMoE, cross_entropy, lambda: stdlib(8192), 32, 150, LRS_MID, LM, None),
+    ("hf_gpt2", lambda: tiny_gpt2(CONTEXT), cross_entropy, lambda: english(8192), 32, 150, LRS_MID, LM, None),
+)
+DESCRIPTIONS = {
+    "cnn": "CNN with batch norm on scikit-learn's 8x8 digits (val cross-entropy)",
+    "gru": "byte-level GRU on English text (Python's help topics)",
+    "gpt": "byte-level GPT pretraining on stdlib source (the demo's model, width 64)",
+    "finetune": "the GPT pretrained on stdlib source, fine-tuned on English text",
+    "mlp": "residual LayerNorm MLP, tabular regression on scikit-learn's diabetes data (val MSE)",
+    "embedding": "EmbeddingBag over 2048 hashed identifiers: which stdlib package a code chunk is from",
+    "moe": "byte-level transformer with top-2 mixture-of-experts layers (3-D expert weights)",
+    "hf_gpt2": "Hugging Face transformers GPT-2 from a tiny config (tied embeddings), English text",
 }
+FAMILIES: dict[str, Family] = {row[0]: Family(row[0], DESCRIPTIONS[row[0]], *row[1:]) for row in ROWS}

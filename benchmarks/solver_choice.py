@@ -52,7 +52,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -60,8 +60,11 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _environment import cpu_name
+from _records import record_cells, record_type
+from _timing import fitting
 from common import RESULTS_DIR, device_label, format_columns, write_json
-from solvers import max_relative_error, timed
+from solvers import Problem, max_relative_error, timed
 
 from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootResult, RootSettings, failure_residual, inverse_root
@@ -90,31 +93,23 @@ MAX_ROUNDS = 3
 CASES = ("well", "deficient")
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One stack as the optimizer passes it to the solver, and the float64 reference roots."""
-
-    statistics: Tensor
-    scale: Tensor
-    eps: Tensor
-    reference: Tensor
-
-
-@dataclass(frozen=True)
-class Record:
-    """One row of the table and of the JSON output."""
-
-    device: str
-    block_size: int
-    num_blocks: int
-    method: str
-    time_ms: float
-    timed_calls: int
-    well_error: float
-    deficient_error: float
-    well_rejected: int
-    deficient_rejected: int
-    qualifies: bool
+Record = record_type(
+    "Record",
+    "One row of the table and of the JSON output.",
+    """
+    device              str
+    block_size          int
+    num_blocks          int
+    method              str
+    time_ms             float  {:.1f}
+    timed_calls         int
+    well_error          float  {:.1e}
+    deficient_error     float  {:.1e}
+    well_rejected       int
+    deficient_rejected  int
+    qualifies           bool
+    """,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -200,11 +195,6 @@ def rejected_blocks(result: RootResult, method: str) -> int:
     return int((~ok).sum())
 
 
-def rounds_for(round_s: float) -> int:
-    """Timing rounds after the accuracy run: as many as fit in the size's budget, within range."""
-    return max(MIN_ROUNDS, min(MAX_ROUNDS, int(SIZE_BUDGET_S / max(round_s, 1e-9))))
-
-
 def measure_size(size: int, stack_elements: int, device: torch.device) -> list[Record]:
     num_blocks = max(1, stack_elements // (size * size))
     problems = {case: make_problem(case, num_blocks, size, device) for case in CASES}
@@ -220,7 +210,8 @@ def measure_size(size: int, stack_elements: int, device: torch.device) -> list[R
             rejected[case, method] = rejected_blocks(result, method)
             del result
     methods = list(INVERSE_ROOT_METHODS)
-    for turn in range(rounds_for(sum(samples[0] for samples in times.values()))):
+    first_round_s = sum(samples[0] for samples in times.values())
+    for turn in range(fitting(SIZE_BUDGET_S, first_round_s, MIN_ROUNDS, MAX_ROUNDS)):
         for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:
             times[method].append(timed(solve(problems["well"], method), device)[0])
     records = []
@@ -255,37 +246,14 @@ def winners(records: list[Record]) -> dict[str, str]:
 
 
 def machine() -> str:
-    """``"<cores>-core <CPU model>"`` from ``/proc/cpuinfo`` where there is one."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
-        model = names[0] if names else model
-    return f"{os.cpu_count()}-core {model}"
-
-
-COLUMNS = (
-    ("block_size", "{}"),
-    ("num_blocks", "{}"),
-    ("method", "{}"),
-    ("time_ms", "{:.1f}"),
-    ("timed_calls", "{}"),
-    ("well_error", "{:.1e}"),
-    ("deficient_error", "{:.1e}"),
-    ("well_rejected", "{}"),
-    ("deficient_rejected", "{}"),
-    ("qualifies", "{}"),
-)
+    """``"<cores>-core <CPU model>"``, the model from ``/proc/cpuinfo`` where there is one."""
+    return f"{os.cpu_count()}-core {cpu_name(platform.processor() or platform.machine())}"
 
 
 def print_table(records: list[Record], chosen: dict[str, str]) -> None:
-    header = [key for key, _ in COLUMNS] + ["chosen"]
-    rows = [
-        [spec.format(asdict(record)[key]) for key, spec in COLUMNS]
-        + ["<-" if chosen.get(str(record.block_size)) == record.method else ""]
-        for record in records
-    ]
-    print(format_columns(header, rows))
+    header, rows = record_cells(records)
+    marks = ["<-" if chosen.get(str(record.block_size)) == record.method else "" for record in records]
+    print(format_columns([*header[1:], "chosen"], [[*row[1:], mark] for row, mark in zip(rows, marks)]))
 
 
 def main() -> None:

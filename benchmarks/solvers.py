@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,15 +49,12 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, format_columns, synchronize, write_json
+from _records import record_type, report_records
+from _timing import fitting
+from common import RESULTS_DIR, synchronize
 
 from lightning_dash.optim import DashConfig
-from lightning_dash.optim.roots import (
-    INVERSE_ROOT_METHODS,
-    MATMUL_DTYPES,
-    RootSettings,
-    inverse_root,
-)
+from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, MATMUL_DTYPES, RootSettings, inverse_root
 
 ROOT = 4
 SEED = 1234
@@ -77,28 +74,32 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Problem:
-    """A stack of statistics, its damping and the float64 reference roots."""
+    """A stack of statistics as the solver gets it, its damping and the float64 reference roots; ``scale``,
+    where the stack is kept divided by a per-block scale as the optimizer keeps it (``solver_choice.py``)."""
 
     statistics: Tensor
     eps: Tensor
     reference: Tensor
+    scale: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class Record:
-    """One row of the table and of the JSON output."""
-
-    device: str
-    block_size: int
-    n: int
-    relative_eps: float
-    method: str
-    scaling: str | None
-    dtype: str
-    batched_ms: float
-    loop_ms: float
-    speedup: float
-    max_rel_err: float
+Record = record_type(
+    "Record",
+    "One row of the table and of the JSON output.",
+    """
+    device        str
+    block_size    int
+    n             int
+    relative_eps  float  {:.0e}
+    method        str
+    scaling       str?
+    dtype         str
+    batched_ms    float  {:.2f}
+    loop_ms       float  {:.2f}
+    speedup       float  {:.2f}
+    max_rel_err   float  {:.2e}
+    """,
+)
 
 
 def parse_args(on_cuda: bool) -> argparse.Namespace:
@@ -173,11 +174,6 @@ def timed(run: Callable[[], T], device: torch.device) -> tuple[float, T]:
     return time.perf_counter() - start, output
 
 
-def repetitions_for(warmup_s: float) -> int:
-    """As many repetitions as fit in the timing budget, within the allowed range."""
-    return max(MIN_REPETITIONS, min(MAX_REPETITIONS, int(TIMING_BUDGET_S / warmup_s)))
-
-
 def median_ms(run: Callable[[], object], device: torch.device, repetitions: int) -> float:
     return 1e3 * statistics.median(timed(run, device)[0] for _ in range(repetitions))
 
@@ -214,7 +210,7 @@ def measure(problem: Problem, relative_eps: float, settings: RootSettings, devic
         return [inverse_root(stats[i : i + 1], eps[i : i + 1], settings).root for i in range(num_blocks)]
 
     warmup_s, roots = timed(batched, device)
-    repetitions = repetitions_for(warmup_s)
+    repetitions = fitting(TIMING_BUDGET_S, warmup_s, MIN_REPETITIONS, MAX_REPETITIONS)
     batched_ms = median_ms(batched, device, repetitions)
     loop_ms = median_ms(per_block, device, repetitions)
     return Record(
@@ -232,32 +228,6 @@ def measure(problem: Problem, relative_eps: float, settings: RootSettings, devic
     )
 
 
-COLUMNS = (
-    ("device", "{}"),
-    ("block_size", "{}"),
-    ("n", "{}"),
-    ("relative_eps", "{:.0e}"),
-    ("method", "{}"),
-    ("scaling", "{}"),
-    ("dtype", "{}"),
-    ("batched_ms", "{:.2f}"),
-    ("loop_ms", "{:.2f}"),
-    ("speedup", "{:.2f}"),
-    ("max_rel_err", "{:.2e}"),
-)
-
-
-def format_row(record: Record) -> list[str]:
-    values = asdict(record)
-    return ["-" if values[key] is None else spec.format(values[key]) for key, spec in COLUMNS]
-
-
-def print_table(records: list[Record]) -> None:
-    header = [key for key, _ in COLUMNS]
-    rows = [format_row(record) for record in records]
-    print(format_columns(header, rows))
-
-
 def main() -> None:
     on_cuda = torch.cuda.is_available()
     args = parse_args(on_cuda)
@@ -270,8 +240,7 @@ def main() -> None:
             records.extend(
                 measure(problem, relative_eps, settings, device_name) for settings in solver_settings(args.dtypes)
             )
-    print_table(records)
-    print(f"\nwrote {write_json(RESULTS_DIR / f'solvers_{device.type}.json', records)}")
+    report_records(records, RESULTS_DIR / f"solvers_{device.type}.json")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from lightning_dash.distributed import ShardedDistributor, shard_across_ranks
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
-from lightning_dash.optim.validation import check_bool, check_communication_dtype, check_number
+from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, check_conversion_options
+from lightning_dash.optim.validation import check_communication_dtype
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,12 @@ class ConversionOptions:
         check_option_names(self.overrides)
         overrides = {name: check_option(name, value) for name, value in self.overrides.items()}
         object.__setattr__(self, "overrides", MappingProxyType(overrides))
-        if self.factor_decay is not None:
-            if "betas" in overrides:
-                raise ValueError("factor_decay and betas both set betas[1]: give only one of them")
-            decay = check_number("factor_decay", self.factor_decay, low=0.0, high=1.0)
-            object.__setattr__(self, "factor_decay", decay)
-        check_bool("allow_custom_step", self.allow_custom_step)
+        if self.factor_decay is not None and "betas" in overrides:
+            raise ValueError("factor_decay and betas both set betas[1]: give only one of them")
+        decay, _ = check_conversion_options(
+            DEFAULT_FACTOR_DECAY if self.factor_decay is None else self.factor_decay, self.allow_custom_step
+        )
+        object.__setattr__(self, "factor_decay", None if self.factor_decay is None else decay)
         object.__setattr__(self, "communication_dtype", check_communication_dtype(self.communication_dtype))
 
     def __reduce__(self) -> tuple[Any, ...]:

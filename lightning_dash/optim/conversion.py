@@ -122,6 +122,13 @@ def dash_group_settings(
     return settings, {"grafting": grafting}
 
 
+def check_conversion_options(factor_decay: Any, allow_custom_step: Any) -> tuple[float, bool]:
+    """The conversion options checked: ``factor_decay`` (``betas[1]``) in [0, 1], ``allow_custom_step`` a bool."""
+    return check_number("factor_decay", factor_decay, low=0.0, high=1.0), check_bool(
+        "allow_custom_step", allow_custom_step
+    )
+
+
 def converted_groups(
     optimizer: torch.optim.Optimizer, overrides: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -132,8 +139,9 @@ def converted_groups(
     the conversion options ``factor_decay`` (``betas[1]``) and ``allow_custom_step``.
     """
     overrides = dict(overrides)
-    factor_decay = check_number("factor_decay", overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY), low=0.0, high=1.0)
-    allow_custom_step = check_bool("allow_custom_step", overrides.pop("allow_custom_step", False))
+    factor_decay, allow_custom_step = check_conversion_options(
+        overrides.pop("factor_decay", DEFAULT_FACTOR_DECAY), overrides.pop("allow_custom_step", False)
+    )
     group_settings, options = dash_group_settings(optimizer, factor_decay, allow_custom_step)
     check_option_names(overrides)
     per_group = {key: check_option(key, overrides.pop(key)) for key in list(overrides) if key in GROUP_OPTIONS}

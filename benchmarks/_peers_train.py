@@ -20,6 +20,7 @@ from _peers_contenders import (
     state_bytes,
     state_walk_bytes,
 )
+from _records import record_type
 from _timing import robust_step_ms, window_ms
 from common import synchronize
 from torch import Tensor
@@ -31,19 +32,24 @@ from lightning_dash.showcase.stdlib_text import ByteCorpus, RandomWindows
 
 
 # ---------------------------------------------------------------------- training
-@dataclass(frozen=True)
-class Settings:
+class Settings(
+    record_type(
+        "Settings",
+        "The fields of :class:`Settings`.",
+        """
+        steps            int    = 200
+        batch_size       int    = 32
+        context          int    = 128
+        depth            int    = 2
+        heads            int    = 4
+        warmup_fraction  float  = 0.05
+        eval_every       int    = 10
+        val_windows      int    = 256
+        max_bytes        int    = 4_000_000
+        """,
+    )
+):
     """Model, data, schedule and evaluation shared by every run (width varies per run)."""
-
-    steps: int = 200
-    batch_size: int = 32
-    context: int = 128
-    depth: int = 2
-    heads: int = 4
-    warmup_fraction: float = 0.05
-    eval_every: int = 10
-    val_windows: int = 256
-    max_bytes: int = 4_000_000
 
     @property
     def warmup(self) -> int:

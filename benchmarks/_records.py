@@ -14,7 +14,7 @@ import ast
 import dataclasses
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +74,38 @@ def record_cells(records: Sequence[Any]) -> tuple[list[str], list[list[str]]]:
     return [field.name for field in fields], rows
 
 
+class Quantities(Mapping[str, Any]):
+    """A row as column templates read it: ``a/b`` is ``a`` over ``b``, a unit (``KiB``, ``MiB``,
+    ``GiB``) or another key of the row."""
+
+    UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+    def __init__(self, row: Mapping[str, Any]) -> None:
+        self.row = row
+
+    def __getitem__(self, key: str) -> Any:
+        name, _, divisor = key.partition("/")
+        if not divisor:
+            return self.row[name]
+        return self.row[name] / (self.UNITS[divisor] if divisor in self.UNITS else self.row[divisor])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.row)
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+
 def columns(table: str) -> list[tuple[str, str]]:
     """The ``(header, template)`` pairs of a column table."""
     return [tuple(re.split(r"\s{2,}", line.strip(), maxsplit=1)) for line in table.splitlines() if line.strip()]  # type: ignore[misc]
 
 
 def column_cells(table: str, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of a column table filled from ``rows``."""
+    """Header and cells of a column table filled from ``rows`` (each read as :class:`Quantities`)."""
     spec = columns(table)
-    return [header for header, _ in spec], [[template.format_map(row) for _, template in spec] for row in rows]
+    cells = [[template.format_map(Quantities(row)) for _, template in spec] for row in rows]
+    return [header for header, _ in spec], cells
 
 
 def report_records(records: Sequence[Any], path: Path) -> Path:

@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _curves import Point, first_reaching
+from _records import record_type
 from _timing import robust_step_ms
 from common import (
     OPTIMIZERS,
@@ -86,20 +87,22 @@ DASH_BLOCK_SIZE = 256
 DASH_FREQUENCY = 10
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Model, data and schedule shared by every run."""
-
-    steps: int = 400
-    warmup: int = 20
-    batch_size: int = 32
-    context: int = 64
-    width: int = 128
-    depth: int = 2
-    heads: int = 4
-    eval_every: int = 10
-    eval_batches: int = 8
-    corpus_bytes: int = 2_000_000
+Settings = record_type(
+    "Settings",
+    "Model, data and schedule shared by every run.",
+    """
+    steps         int  = 400
+    warmup        int  = 20
+    batch_size    int  = 32
+    context       int  = 64
+    width         int  = 128
+    depth         int  = 2
+    heads         int  = 4
+    eval_every    int  = 10
+    eval_batches  int  = 8
+    corpus_bytes  int  = 2_000_000
+    """,
+)
 
 
 @dataclass(frozen=True)

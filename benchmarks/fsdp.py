@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import Quantities, column_cells, record_type
 from common import RESULTS_DIR, format_columns, write_json
 from fsdp_estimate import BLOCK_SCALAR_BYTES, fsdp_bytes_per_step, meta_parameters, sharded_plan
 
@@ -85,22 +86,26 @@ FSDP_FORMULA = (
 )
 
 
-@dataclass(frozen=True)
-class Settings:
-    width: int = 190
-    heads: int = 5
-    ffn: int = 760
-    vocab: int = 1003
-    context: int = 64
-    layers: int = 4
-    batch: int = 8
-    block_size: int = 256
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    precondition_frequency: int = 10
-    warmup: int = 3
-    rounds: int = 6
-    steps_per_round: int = 10
+Settings = record_type(
+    "Settings",
+    "The model's dimensions, the batch, DASH's and AdamW's options and the timing rounds.",
+    """
+    width                   int    = 190
+    heads                   int    = 5
+    ffn                     int    = 760
+    vocab                   int    = 1003
+    context                 int    = 64
+    layers                  int    = 4
+    batch                   int    = 8
+    block_size              int    = 256
+    lr                      float  = 1e-3
+    weight_decay            float  = 0.01
+    precondition_frequency  int    = 10
+    warmup                  int    = 3
+    rounds                  int    = 6
+    steps_per_round         int    = 10
+    """,
+)
 
 
 # ---------------------------------------------------------------------- model
@@ -360,45 +365,31 @@ def summarize(world_size: int, s: Settings, ranks: list[dict], wall_s: float) ->
     }
 
 
-KIB = 1024
+#: The printed table: header, then the template of its cells (see :func:`_records.column_cells`).
+TABLE = """
+    ranks                        {world_size}
+    balance                      {ownership_balance:.3f}
+    state max/mean/total KiB     {state}
+    bound KiB                    {state_bound_bytes/KiB:.0f}
+    holds                        {holds}
+    AdamW state KiB              {adamw_state_bytes_max/KiB:.0f}
+    DASH sent max/mean KiB/step  {dash_bytes_sent_per_step_max/KiB:.0f} / {dash_bytes_sent_per_step_mean/KiB:.0f}
+    FSDP2 KiB/step (counted)     {fsdp_bytes_per_step/KiB:.0f} ({fsdp_counted_bytes_per_step/KiB:.0f})
+    AdamW ms                     {adamw_step_ms:.1f}
+    DASH ms                      {dash_step_ms:.1f}
+    ratio                        {step_ratio:.2f}
+    amortized ratio              {amortized_ratio:.2f}
+    opt ms AdamW/DASH            {adamw_opt_ms:.1f} / {dash_opt_ms:.1f}
+"""
 
 
 def format_table(records: list[dict]) -> str:
-    header = [
-        "ranks",
-        "balance",
-        "state max/mean/total KiB",
-        "bound KiB",
-        "holds",
-        "AdamW state KiB",
-        "DASH sent max/mean KiB/step",
-        "FSDP2 KiB/step (counted)",
-        "AdamW ms",
-        "DASH ms",
-        "ratio",
-        "amortized ratio",
-        "opt ms AdamW/DASH",
-    ]
+    state = "{dash_state_bytes_max/KiB:.0f} / {dash_state_bytes_mean/KiB:.0f} / {dash_state_bytes_total/KiB:.0f}"
     rows = [
-        [
-            str(r["world_size"]),
-            f"{r['ownership_balance']:.3f}",
-            f"{r['dash_state_bytes_max'] / KIB:.0f} / {r['dash_state_bytes_mean'] / KIB:.0f} / "
-            f"{r['dash_state_bytes_total'] / KIB:.0f}",
-            f"{r['state_bound_bytes'] / KIB:.0f}",
-            "yes" if r["state_bound_holds"] else "NO",
-            f"{r['adamw_state_bytes_max'] / KIB:.0f}",
-            f"{r['dash_bytes_sent_per_step_max'] / KIB:.0f} / {r['dash_bytes_sent_per_step_mean'] / KIB:.0f}",
-            f"{r['fsdp_bytes_per_step'] / KIB:.0f} ({r['fsdp_counted_bytes_per_step'] / KIB:.0f})",
-            f"{r['adamw_step_ms']:.1f}",
-            f"{r['dash_step_ms']:.1f}",
-            f"{r['step_ratio']:.2f}",
-            f"{r['amortized_ratio']:.2f}",
-            f"{r['adamw_opt_ms']:.1f} / {r['dash_opt_ms']:.1f}",
-        ]
+        {**r, "state": state.format_map(Quantities(r)), "holds": "yes" if r["state_bound_holds"] else "NO"}
         for r in records
     ]
-    return format_columns(header, rows)
+    return format_columns(*column_cells(TABLE, rows))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import column_cells, record_type
 from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
@@ -74,20 +75,20 @@ FSDP_ASSUMPTION = (
 )
 
 
-@dataclass(frozen=True)
-class Qwen3Config:
-    """The fields of a Qwen3 ``config.json`` that fix the parameter shapes."""
-
-    hidden_size: int = 4096
-    intermediate_size: int = 12288
-    num_hidden_layers: int = 36
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    head_dim: int = 128
-    vocab_size: int = 151936
-    tie_word_embeddings: bool = False
-
-
+Qwen3Config = record_type(
+    "Qwen3Config",
+    "The fields of a Qwen3 ``config.json`` that fix the parameter shapes.",
+    """
+    hidden_size          int   = 4096
+    intermediate_size    int   = 12288
+    num_hidden_layers    int   = 36
+    num_attention_heads  int   = 32
+    num_key_value_heads  int   = 8
+    head_dim             int   = 128
+    vocab_size           int   = 151936
+    tie_word_embeddings  bool  = False
+    """,
+)
 QWEN3_8B = Qwen3Config()
 
 
@@ -282,42 +283,25 @@ def estimate(config: Qwen3Config, world_size: int, block_size: int) -> dict:
     }
 
 
-GIB = 2**30
+#: The printed table: header, then the template of its cells (see :func:`_records.column_cells`).
+TABLE = """
+    ranks                        {world_size}
+    blocks                       {blocks}
+    pieces                       {pieces}
+    balance                      {ownership_balance:.3f}
+    DASH state max/mean GiB      {dash_state_bytes_max/GiB:.3f} / {dash_state_bytes_mean/GiB:.3f}
+    AdamW state GiB              {adamw_state_bytes_mean/GiB:.3f}
+    DASH sent max/mean GiB/step  {dash_bytes_sent_per_step_max/GiB:.3f} / {dash_bytes_sent_per_step_mean/GiB:.3f}
+    FSDP2 sent GiB/step          {fsdp_bytes_per_step/GiB:.3f}
+    DASH/FSDP2 sent              {dash_bytes_sent_per_step_mean/fsdp_bytes_per_step:.2%}
+    setup s                      {rank_setup_s:.2f}
+    index MiB                    {exchange_index_bytes_rank0/MiB:.1f}
+    rows moved (plain LPT)       {moved_fraction:.1%} ({moved_fraction_plain_lpt:.1%})
+"""
 
 
 def format_table(records: list[dict]) -> str:
-    header = [
-        "ranks",
-        "blocks",
-        "pieces",
-        "balance",
-        "DASH state max/mean GiB",
-        "AdamW state GiB",
-        "DASH sent max/mean GiB/step",
-        "FSDP2 sent GiB/step",
-        "DASH/FSDP2 sent",
-        "setup s",
-        "index MiB",
-        "rows moved (plain LPT)",
-    ]
-    rows = [
-        [
-            str(r["world_size"]),
-            str(r["blocks"]),
-            str(r["pieces"]),
-            f"{r['ownership_balance']:.3f}",
-            f"{r['dash_state_bytes_max'] / GIB:.3f} / {r['dash_state_bytes_mean'] / GIB:.3f}",
-            f"{r['adamw_state_bytes_mean'] / GIB:.3f}",
-            f"{r['dash_bytes_sent_per_step_max'] / GIB:.3f} / {r['dash_bytes_sent_per_step_mean'] / GIB:.3f}",
-            f"{r['fsdp_bytes_per_step'] / GIB:.3f}",
-            f"{100 * r['dash_bytes_sent_per_step_mean'] / r['fsdp_bytes_per_step']:.2f}%",
-            f"{r['rank_setup_s']:.2f}",
-            f"{r['exchange_index_bytes_rank0'] / 2**20:.1f}",
-            f"{100 * r['moved_fraction']:.1f}% ({100 * r['moved_fraction_plain_lpt']:.1f}%)",
-        ]
-        for r in records
-    ]
-    return format_columns(header, rows)
+    return format_columns(*column_cells(TABLE, records))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ processed by its own small kernels. It performs DASH's update exactly (the same
 factor updates, bias corrections, Adam grafting, root schedule and the same
 :func:`~lightning_dash.optim.roots.solve.inverse_root` solver, called on a ``(1, b, b)``
 stack), so the only difference from DASH is the loop over blocks instead of
-batched stacks. ``tests/test_benchmarks.py`` checks that both produce the same
+batched stacks. ``tests/benchmarks/test_benchmarks.py`` checks that both produce the same
 parameters.
 
 Only what the benchmark needs is supported: Adam grafting, no distribution, no

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_dash import DashConfig
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytest.importorskip("sklearn")
 

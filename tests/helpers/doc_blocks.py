@@ -105,11 +105,20 @@ def _extras() -> set[str]:
     return set(re.findall(r"^([\w-]+) = ", table, flags=re.M))
 
 
+def _source_with_siblings(script: Path) -> str:
+    """``script``'s source and that of the modules beside it that it imports (a benchmark's options may
+    come from the shared harness, e.g. ``common.results_parser``)."""
+    source = script.read_text()
+    names = re.findall(r"^(?:from|import) (\w+)", source, flags=re.M)
+    siblings = [script.with_name(f"{name}.py") for name in names]
+    return "\n".join([source, *(sibling.read_text() for sibling in siblings if sibling.is_file())])
+
+
 def _check_script(words: list[str]) -> str:
     script = next((word for word in words if word.endswith(".py")), None)
     if script is None or not (ROOT / script).is_file():
         raise AssertionError(f"no such script in the repository: {script!r}")
-    source = (ROOT / script).read_text()
+    source = _source_with_siblings(ROOT / script)
     for word in words[words.index(script) + 1 :]:
         flag = word.split("=", 1)[0]
         if flag.startswith("--") and f'"{flag}"' not in source:

@@ -12,7 +12,7 @@ CPY := $(COMPOSER_VENV)/bin/python
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo demo-quick docs package test test-lightning test-composer lint bench bench-step bench-peers bench-families clean
+.PHONY: demo demo-quick docs package test test-fast test-lightning test-composer lint bench bench-step bench-peers bench-families clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: test-lightning test-composer
 # The peer is installed when ../shared/peers has it, so that the tests of the peers benchmark run.
 test-lightning: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) -m pytest -q
+
+# The fast lane: every test that starts no other Python process (no gloo ranks, no scripts), in .venv.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not multiprocess"
 
 test-composer: $(COMPOSER_VENV)/.installed
 	$(CPY) -m pytest -q tests/with_composer

@@ -74,6 +74,7 @@ def test_distributed_uses_only_the_optimizers_public_surface(path):
     assert not private, f"{path.name} imports {private}"
 
 
+@pytest.mark.multiprocess
 def test_dash_trains_with_torch_alone():
     """With every trainer package made unimportable, the optimizer imports and trains, and
     no trainer module was loaded on the way."""

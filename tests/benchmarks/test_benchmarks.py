@@ -377,6 +377,7 @@ def test_compare_revisions_summary_pairs_rounds():
         compare_revisions.parse_args(["--before", "abc", "--", "--out", "x"])
 
 
+@pytest.mark.multiprocess
 def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
     """HEAD (a temporary worktree) against the working tree, one round of the tiny model."""
     import compare_revisions
@@ -424,6 +425,7 @@ def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
     assert all(c["ratio"] > 0 and len(c["before_ms"]) == 1 for c in report["cases"])
 
 
+@pytest.mark.multiprocess
 def test_fsdp_smoke_run_matches_its_plan(tmp_path):
     """Two gloo ranks of a tiny FSDP2 GPT: the measured state and traffic are the plan
     ``fsdp_estimate`` computes from the shapes, and FSDP2's counted traffic is the formula's."""

@@ -24,6 +24,7 @@ def load(name: str):
     return importlib.import_module(name)
 
 
+@pytest.mark.multiprocess
 def test_tiny_suite_trains_every_contender_and_summarises_against_tuned_adamw(tmp_path):
     families = load("families")
     records_path, out = tmp_path / "runs.jsonl", tmp_path / "summary.json"

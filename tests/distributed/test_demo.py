@@ -316,6 +316,7 @@ def _gloo_worker(rank: int, init_file: str, out_dir: str, threads: int, steps: i
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_ranks_agree_bitwise_with_single_process_decode(tmp_path):
     steps = 3
     mp.spawn(

@@ -74,10 +74,12 @@ def exit_pause(set_up: str) -> float:
     return float(times["exit"]) - float(times["end"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("set_up", sorted(SET_UPS))
 def test_a_gloo_process_group_set_up_by_us_pauses_the_exit(set_up):
     assert exit_pause(SET_UPS[set_up]) >= SETTLE_SECONDS
 
 
+@pytest.mark.multiprocess
 def test_one_device_under_strategy_dash_starts_no_group_and_so_does_not_pause():
     assert exit_pause(TRAINER.replace("{name}", "dash")) < SETTLE_SECONDS

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -109,6 +110,7 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
             )
 
 
+@pytest.mark.multiprocess
 def test_consolidation_after_add_param_group_and_after_load(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]

@@ -76,6 +76,7 @@ def check_extreme_scales(rank: int, world_size: int) -> None:
             torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_sharded_dash_at_extreme_gradient_scales(tmp_path):
     spawn(check_extreme_scales, 2, tmp_path)
 
@@ -114,6 +115,7 @@ def check_parity_and_memory(rank: int, world_size: int) -> None:
     assert (distributor.bytes_sent > 0) == (world_size > 1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sharded_dash_equals_single_process_and_splits_its_state(tmp_path, world_size):
     spawn(check_parity_and_memory, world_size, tmp_path)
@@ -138,6 +140,7 @@ def check_bad_shard_skips_everywhere(rank: int, world_size: int) -> None:
     assert all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
 
 
+@pytest.mark.multiprocess
 def test_a_bad_gradient_shard_skips_the_step_on_every_rank(tmp_path):
     spawn(check_bad_shard_skips_everywhere, 2, tmp_path)
 
@@ -151,6 +154,7 @@ def check_plain_parameters_are_refused(rank: int, world_size: int) -> None:
         optimizer.step()
 
 
+@pytest.mark.multiprocess
 def test_parameters_fsdp2_does_not_shard_are_named_in_an_error(tmp_path):
     spawn(check_plain_parameters_are_refused, 2, tmp_path)
 
@@ -185,5 +189,6 @@ def check_launches_and_host_reads(rank: int, world_size: int) -> None:
         assert many.launch_count <= 1.1 * few.launch_count, (few.launch_count, many.launch_count)
 
 
+@pytest.mark.multiprocess
 def test_sharded_step_launches_do_not_grow_with_depth_nor_wait_for_the_device(tmp_path):
     spawn(check_launches_and_host_reads, 2, tmp_path)

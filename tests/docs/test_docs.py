@@ -36,6 +36,7 @@ def test_every_block_has_a_known_language_and_marker():
         assert block.marker is None or block.marker in MARKERS, f"{block.name}: unknown marker {block.marker!r}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("block", PYTHON, ids=lambda block: block.name)
 def test_python_block_runs(block, tmp_path):
     if block.marker == "composer":

@@ -168,6 +168,7 @@ def logged_steps(output: str) -> list[int]:
     return [int(line.split()[1]) for line in output.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "model",
     [
@@ -227,6 +228,7 @@ def third_party(lines: list[str], text: str) -> list[str]:
     return [line for line in lines if text in line and "(user code)" not in line]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("filters", ["on", "off"])
 def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filters):
     """Stdout and stderr are files (not a terminal): no progress bar, none of the filtered notices, the

@@ -436,6 +436,7 @@ def two_process_run(tmp_path, name: str, emulate: bool = False, **options) -> li
     return torch.load(path)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_with_the_option_equal_the_option_off(tmp_path):
     """Real gloo ranks with block ownership: the option leaves CPU training bit-identical."""
     off = two_process_run(tmp_path, "off")
@@ -443,6 +444,7 @@ def test_two_processes_with_the_option_equal_the_option_off(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(off, on))
 
 
+@pytest.mark.multiprocess
 def test_two_processes_emulated_staleness_keeps_ranks_in_step(tmp_path):
     """Emulated asynchronous roots with ownership (each rank launches its own blocks; the
     failure count is a collective at the closing steps): ranks stay bit-identical and

@@ -158,6 +158,7 @@ def test_options_are_checked_when_the_strategy_is_built():
 # Training, parity and checkpoints
 
 
+@pytest.mark.multiprocess
 def test_ddp_matches_single_process_dash_and_resumes_at_one_process_and_under_fsdp(tmp_path, reference):
     checkpoint = tmp_path / "ddp.ckpt"
     result = launch(ddp(**DASH_OPTIONS), 2, train, reference, 3, save=checkpoint, save_at=3)
@@ -167,6 +168,7 @@ def test_ddp_matches_single_process_dash_and_resumes_at_one_process_and_under_fs
     launch(fsdp(**DASH_OPTIONS), 2, train, reference, 5, load=checkpoint)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_matches_single_process_dash_and_resumes_at_one_and_two_processes_and_under_ddp(tmp_path, reference):
     """The AdamW is created before ``fabric.setup(model, optimizer)``, which shards the model: the
     optimizer must step the sharded parameters. The scheduler stays attached to the AdamW."""
@@ -179,6 +181,7 @@ def test_fsdp_matches_single_process_dash_and_resumes_at_one_and_two_processes_a
     launch(ddp(**DASH_OPTIONS), 2, train, reference, 5, load=folder)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_full_checkpoint_file_with_the_optimizer_set_up_after_the_model(tmp_path, reference):
     checkpoint = tmp_path / "fsdp.ckpt"
     options = {"save_distributed_checkpoint": False, **DASH_OPTIONS}
@@ -217,12 +220,14 @@ def dash_as_is(fabric, folder: Path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(step(2), after, strict=True)), collective
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name,options", [("dash", {}), ("dash_fsdp", {"save_distributed_checkpoint": False})])
 def test_dash_is_used_as_is_and_saved_whole_without_hanging(tmp_path, name, options):
     strategy = ddp(**options) if name == "dash" else fsdp(**options)
     launch(strategy, 2, dash_as_is, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_standalone_lightning_fabric_trains_with_dash(tmp_path, reference):
     entry = lightning_fabric.strategies.STRATEGY_REGISTRY["dash_spawn"]  # with the reference's DASH options
     strategy = entry["strategy"](**entry["init_params"], timeout=TIMEOUT, **DASH_OPTIONS)

@@ -349,6 +349,7 @@ def reference(name: str, path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(ZOO))
 def test_unchanged_layout_is_sharded_with_ties_kept_and_matches_single_process_dash(name, tmp_path):
     module = build(name)

@@ -29,15 +29,18 @@ def reference_file(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("devices", [2, 4])
 def test_unchanged_module_is_sharded_and_matches_single_process_dash(reference_file, tmp_path, devices):
     trainer(devices, 5, tmp_path).fit(LMModule(reference_file))
 
 
+@pytest.mark.multiprocess
 def test_module_that_shards_itself_in_configure_model(reference_file, tmp_path):
     trainer(2, 3, tmp_path).fit(LMModule(reference_file, shard_itself=True))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "first,second,distributed",
     [(2, 1, True), (2, 2, False), (2, 4, True), (4, 2, True)],
@@ -51,6 +54,7 @@ def test_checkpoints_resume_exactly_at_another_world_size(reference_file, tmp_pa
     trainer(second, 8, tmp_path, strategy_options=options).fit(LMModule(reference_file), ckpt_path=checkpoint)
 
 
+@pytest.mark.multiprocess
 def test_checkpoints_move_between_ddp_and_fsdp(reference_file, tmp_path):
     from_ddp = tmp_path / "ddp.ckpt"
     ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
@@ -89,6 +93,7 @@ class TrafficChecked(LMModule):
         assert stats.steps == self.trainer.global_step
 
 
+@pytest.mark.multiprocess
 def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -122,6 +127,7 @@ def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
     assert fsdp == [expected] * 3
 
 
+@pytest.mark.multiprocess
 def test_resuming_with_another_block_size_names_it(reference_file, tmp_path):
     checkpoint = tmp_path / "half.ckpt"
     trainer(2, 2, tmp_path).fit(LMModule(reference_file, str(checkpoint)))
@@ -152,6 +158,7 @@ class KilledWhileSavingLast(LMModule):
         FileSystemWriter.write_data = write_then_die
 
 
+@pytest.mark.multiprocess
 def test_a_rank_killed_while_saving_leaves_the_last_complete_checkpoint(reference_file, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -178,6 +185,7 @@ def test_a_rank_killed_while_saving_leaves_the_last_complete_checkpoint(referenc
     run(6, LMModule(reference_file), ckpt_path=last)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy_class", [DashFSDPStrategy, DashStrategy])
 def test_resuming_from_a_truncated_file_names_it(reference_file, tmp_path, strategy_class):
     whole = tmp_path / "whole.ckpt"

@@ -8,6 +8,7 @@ so ``precondition="hidden"`` finds its embedding and output layer there.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from helpers.lightning_parity import clean_process_group, trainer  # noqa: F401 (clean_process_group: an autouse fixture)
 from helpers.spawning import spawn
@@ -50,6 +51,7 @@ def check_sharded_experts(rank: int, world_size: int) -> None:
         torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_shards_of_an_expert_stack_move_as_one_process(tmp_path):
     spawn(check_sharded_experts, 2, tmp_path)
 

@@ -41,10 +41,12 @@ def reference_file(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_match_single_process_dash_and_each_other(reference_file, tmp_path):
     trainer(2, 6, tmp_path).fit(ParityModule(reference_file))
 
 
+@pytest.mark.multiprocess
 def test_two_processes_at_dash_defaults_stay_within_roundoff_of_one_process(tmp_path):
     """With every numerical option at DASH's default (only the block size is small, so that the
     network has several blocks to own), the ranks' other summation order stays at roundoff over 12
@@ -56,6 +58,7 @@ def test_two_processes_at_dash_defaults_stay_within_roundoff_of_one_process(tmp_
     trainer(2, 12, tmp_path, strategy).fit(ParityModule(str(path)))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("first,second", [(2, 2), (2, 1), (1, 2)])
 def test_checkpoint_resume_is_exact_across_world_sizes(reference_file, tmp_path, first, second):
     before = trainer(first, 4, tmp_path)
@@ -105,6 +108,7 @@ class FinetuneModule(pl.LightningModule):
         assert_identical_across_ranks(self, self.trainer.world_size)
 
 
+@pytest.mark.multiprocess
 def test_base_finetuning_adds_groups_mid_training(tmp_path):
     run = trainer(
         2,
@@ -124,6 +128,7 @@ class IdenticalAcrossRanks(pl.Callback):
         assert_identical_across_ranks(pl_module, trainer.world_size)
 
 
+@pytest.mark.multiprocess
 def test_unchanged_demo_module_with_accumulation_clipping_and_bf16(tmp_path):
     """Lightning's BoringModel (SGD + StepLR) trains unchanged under strategy="dash"."""
     run = trainer(
@@ -240,6 +245,7 @@ class ScheduledModule(FinetuneModule):
         self.trainer.save_checkpoint(self.checkpoint_path)
 
 
+@pytest.mark.multiprocess
 def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -304,6 +310,7 @@ print("no process group")
 """
 
 
+@pytest.mark.multiprocess
 def test_one_device_runs_without_a_process_group_or_its_messages(tmp_path):
     """``devices=1``: fit, validate, test and a resume run in one process with no process group and
     no DDP wrapper, and print nothing about distributed initialisation (a fresh interpreter, so no

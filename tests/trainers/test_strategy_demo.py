@@ -87,12 +87,14 @@ def fresh_port():
         os.environ.pop(variable, None)
 
 
+@pytest.mark.multiprocess
 def test_allreduce_bytes_are_counted(tmp_path):
     # Ring all-reduce of every float32 gradient: 2 (W - 1) / W * 4 bytes per element.
     numel = sum(int(torch.tensor(s).prod()) for s in SHAPES)
     run(tmp_path, 3, 2 * (2 - 1) / 2 * 4 * numel)
 
 
+@pytest.mark.multiprocess
 def test_demo_sends_compressed_components_and_resumes_exactly(tmp_path):
     demo = dict(gradient_sync="demo", demo_topk=4, demo_chunk_size=16)
     expected = demo_payload_bytes(SHAPES, topk=4, chunk=16)  # received: one other rank sends as much

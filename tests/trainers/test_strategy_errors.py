@@ -71,6 +71,7 @@ def test_no_optimizer_fits_with_lightnings_warning_and_moves_nothing(tmp_path):
     assert unchanged(model, model.start)
 
 
+@pytest.mark.multiprocess
 def test_no_optimizer_fits_in_two_processes(tmp_path):
     trainer(2, 3, tmp_path, "dash_spawn").fit(NoOptimizerModule())  # the checks run in each rank
 
@@ -160,6 +161,7 @@ class IdleLayerParityModule(ParityModule):
         assert unchanged(self.idle, self.idle_start)
 
 
+@pytest.mark.multiprocess
 def test_idle_layer_in_two_processes_matches_single_process_dash(tmp_path):
     reference = tmp_path / "trajectory.pt"
     torch.save(reference_trajectory(4), reference)
@@ -207,6 +209,7 @@ class StandaloneDashChecks(StandaloneBoringModel):
         assert optimizer.distributor.world_size == 2
 
 
+@pytest.mark.multiprocess
 def test_pytorch_lightning_strategy_with_options_in_two_spawned_processes(tmp_path):
     """The ranks unpickle the standalone DashStrategy: its renamed module is importable by name."""
     strategy_class = standalone_module("lightning_dash.strategies.dash_ddp", "pytorch_lightning").DashStrategy
@@ -242,6 +245,7 @@ def run_with_blocked(packages: tuple[str, ...], body: str) -> str:
     return result.stdout
 
 
+@pytest.mark.multiprocess
 def test_without_the_standalone_packages_nothing_of_them_is_imported():
     output = run_with_blocked(
         ("pytorch_lightning", "lightning_fabric"),
@@ -255,6 +259,7 @@ def test_without_the_standalone_packages_nothing_of_them_is_imported():
     assert output.split() == ["[]"]
 
 
+@pytest.mark.multiprocess
 def test_pytorch_lightning_without_the_unified_package(tmp_path):
     output = run_with_blocked(
         ("lightning",),

@@ -76,6 +76,7 @@ def assert_same_on_both_ranks(ranks: list[dict]) -> None:
         assert torch.equal(value, ranks[1]["parameters"][name]), name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["gpt", "classifier"])
 def test_two_ranks_share_blocks_and_match_one_process(tmp_path: Path, kind: str) -> None:
     ranks = launch(
@@ -105,6 +106,7 @@ def test_two_ranks_share_blocks_and_match_one_process(tmp_path: Path, kind: str)
     assert_tracks_reference(ranks[0]["parameters"], reference_parameters(kind, TOTAL_BATCHES), kind)
 
 
+@pytest.mark.multiprocess
 def test_two_rank_autoresume_continues_exactly(tmp_path: Path) -> None:
     uninterrupted = launch(
         tmp_path,
@@ -150,6 +152,7 @@ def test_two_rank_autoresume_continues_exactly(tmp_path: Path) -> None:
         assert torch.equal(value, uninterrupted[0]["parameters"][name]), name
 
 
+@pytest.mark.multiprocess
 def test_a_two_rank_checkpoint_resumes_in_one_process(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     launch(tmp_path, "first", "--kind", "gpt", "--max-duration", "4ba", "--save-folder", str(folder))

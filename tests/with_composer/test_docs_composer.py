@@ -21,6 +21,7 @@ def test_the_documentation_has_composer_blocks():
     assert COMPOSER_PYTHON and YAML
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("block", COMPOSER_PYTHON, ids=lambda block: block.name)
 def test_composer_block_runs(block, tmp_path):
     result = run_python(block, tmp_path)

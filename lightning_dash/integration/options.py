@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_dash.distributed import ShardedDistributor, shard_across_ranks
+from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, check_conversion_options
@@ -145,6 +145,9 @@ class ConversionOptions:
         if model is not None:
             dash.attach_model(model)
         if sharded_parameters:
+            # Imported here: it needs torch.distributed.tensor, which `import lightning_dash` does not load.
+            from lightning_dash.distributed.sharded import ShardedDistributor
+
             dash.distributor = ShardedDistributor(
                 communication_dtype=self.communication_dtype, root_iterations=dash.root_settings.iterations or 10
             )

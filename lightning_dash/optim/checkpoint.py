@@ -232,10 +232,10 @@ class Checkpointer:
         """See :meth:`DASH.owned_tiles <lightning_dash.optim.DASH.owned_tiles>`."""
         layout = self.current_layout()
         owned: dict[str, list[tuple[int, int]]] = {}
+        size = layout.block_size
         for stack in layout.stacks:
             for region in stack.plan.regions:
                 for tile in region.single_tiles():
-                    size = layout.block_size
                     position = (tile.view.tile_row(tile.row_start, size), tile.col_start // size)
                     owned.setdefault(layout.names[tile.param_index], []).append(position)
         return owned

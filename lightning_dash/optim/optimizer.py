@@ -268,7 +268,7 @@ class DASH(torch.optim.Optimizer):
                 loss = closure()
         self._books.verdicts.collect()
         layout = self._current_layout()
-        self._books.raise_on_streak(layout, self.root_settings.method)
+        self._books.raise_on_streak(layout, lambda: self.inverse_root_method_in_use)
         self.roots.last_residual = None
         active = active_params(layout)
         if not active or self._materialising(layout, active):

@@ -9,6 +9,7 @@ next step once a block's failure streak reached ``max_consecutive_root_failures`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,12 +59,13 @@ class StepBookkeeping:
         if self.limit is not None and longest >= self.limit:
             self._streak_at_limit = longest
 
-    def raise_on_streak(self, layout: Layout, method: str) -> None:
-        """Raise :class:`RootComputationError` for a streak a read-back verdict reported."""
+    def raise_on_streak(self, layout: Layout, method: Callable[[], str]) -> None:
+        """Raise :class:`RootComputationError` for a streak a read-back verdict reported (``method``
+        names the solver in the message; it is asked only then, not on every step)."""
         longest, self._streak_at_limit = self._streak_at_limit, None
         if longest is not None:
             report = FailureReport([], committed_streaks(layout))
-            raise_on_streak(report, layout.names, longest, self.limit, method)
+            raise_on_streak(report, layout.names, longest, self.limit, method())
 
     def post(self, verdict: Tensor, state: dict[Any, dict[str, Any]], layout: Layout, active: set[int]) -> None:
         """Queue a step's device verdict; the host reads it one step later (:meth:`read`)."""

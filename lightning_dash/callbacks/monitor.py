@@ -31,7 +31,8 @@ class DashMonitor(Callback):
       ``on_train_batch_end`` (the optimizer step plus gradient clipping and step-wise
       LR schedulers), with CUDA synchronised at both ends when the module is on a GPU;
     - ``dash/root_failures``, ``dash/nonfinite_grad_skips``, ``dash/nonfinite_update_skips``,
-      ``dash/ownership_balance``, and ``dash/root_residual`` when the step's roots have one;
+      ``dash/ownership_balance``, ``dash/state_bytes``, and ``dash/root_residual`` when the
+      step's roots have one;
     - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms`` with
       ``async_preconditioning``;
     - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic

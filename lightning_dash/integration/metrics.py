@@ -29,6 +29,7 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
       that step computed (or swapped in) roots with a residual; reading it synchronises
       the host with the device;
     - ``dash/ownership_balance``: max/mean per-rank block cost (1.0 in one process);
+    - ``dash/state_bytes``: the optimizer state this rank holds (:meth:`DASH.state_bytes`);
     - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms``, only
       with ``async_preconditioning``: root launches swapped in without waiting, launches
       waited for, and the time stalled in those waits (cumulative, this rank's);
@@ -43,6 +44,7 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
         "dash/nonfinite_grad_skips": float(optimizer.nonfinite_grad_skips),
         "dash/nonfinite_update_skips": float(optimizer.nonfinite_update_skips),
         "dash/ownership_balance": float(optimizer.ownership_balance),
+        "dash/state_bytes": float(optimizer.state_bytes()),
     }
     residual = optimizer.last_root_residual
     if residual is not None:

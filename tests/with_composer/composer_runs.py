@@ -14,15 +14,17 @@ from typing import Any
 
 import torch
 from composer import Callback, State, Trainer
-from composer.loggers import Logger
+from composer.loggers import InMemoryLogger, Logger
 from composer.models import ComposerModel
 from composer.optim import DecoupledAdamW, LinearScheduler
-from composer.utils import dist
+from composer.utils import FSDP2Config, dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dash import DASH
-from lightning_dash.composer import Dash
+from lightning_dash.composer import Dash, DashComposerMonitor
 from lightning_dash.distributed import ProcessGroupDistributor
+from lightning_dash.integration.sharded_checkpoint import name_parameters
 from lightning_dash.showcase import load_stdlib_corpus
 from lightning_dash.showcase.composer_models import ComposerTinyGPT, last_target, next_byte_classifier
 from lightning_dash.showcase.stdlib_text import RandomWindows
@@ -45,6 +47,9 @@ DASH_OPTIONS = {
     "nesterov": False,
     "lr_scale": 1.0,
 }
+#: Grafting whose step is proportional to the gradient's scale: a gradient world-size times
+#: the mean (gloo's sum where FSDP2 asks for an average) shows in the parameters.
+SGD_GRAFTING_OPTIONS = {**DASH_OPTIONS, "grafting": "sgd"}
 
 
 def windows(kind: str) -> Dataset:
@@ -93,8 +98,19 @@ def make_trainer(
     algorithm_options: dict[str, Any] | None = None,
     callbacks: list[Callback] | None = None,
     loggers: list[Any] | None = None,
+    fsdp: str | None = None,
+    parallelism: dict[str, Any] | None = None,
+    extra_parameter: bool = False,
 ) -> Trainer:
+    """A Composer trainer of ``kind`` with Dash; ``fsdp``: FSDP2 with this
+    ``state_dict_type`` ("sharded" or "full"), else DDP (or one process), unless
+    ``parallelism`` gives Composer's ``parallelism_config``. ``extra_parameter``: the
+    ComposerModel holds a parameter ``extra`` itself, outside its child modules."""
     model = build_model(kind)
+    if extra_parameter:
+        model.extra = torch.nn.Parameter(torch.zeros(4, 4))
+    if fsdp is not None:
+        parallelism = {"fsdp": FSDP2Config(state_dict_type=fsdp)}
     data = windows(kind)
     per_rank = GLOBAL_BATCH // dist.get_world_size()
     loader = DataLoader(
@@ -118,6 +134,7 @@ def make_trainer(
         save_num_checkpoints_to_keep=-1,
         load_path=load_path,
         autoresume=autoresume,
+        parallelism_config=parallelism,
         progress_bar=False,
         log_to_console=False,
         seed=0,
@@ -164,25 +181,30 @@ def assert_tracks_reference(ours: dict[str, torch.Tensor], expected: dict[str, t
 
 
 def named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies, named without DDP's ``module.`` prefix."""
+    """Detached whole copies (FSDP2's shards gathered: collective), named without DDP's ``module.`` prefix."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
-def reference_parameters(
+def reference_optimizer(
     kind: str, batches: int, options: dict[str, Any] | None = None, attach_model: bool = False
-) -> dict[str, torch.Tensor]:
+) -> tuple[DASH, dict[str, torch.Tensor]]:
     """DASH without Composer: the same initial model, converted from the same
     ``DecoupledAdamW`` (with ``options``, default :data:`DASH_OPTIONS`; told the model, as the
-    algorithm tells it, with ``attach_model``), stepped on each global batch with the
-    closed-form schedule."""
+    algorithm tells it, with ``attach_model``), its parameters named as the algorithm names
+    them under FSDP2, stepped on each global batch with the closed-form schedule. Returns
+    the optimizer and the final parameters."""
     model = build_model(kind)
     data = windows(kind)
     optimizer = DASH.from_optimizer(
         DecoupledAdamW(model.parameters(), lr=BASE_LR, betas=(0.9, 0.99), weight_decay=1e-4),
         **(DASH_OPTIONS if options is None else options),
     )
+    name_parameters(optimizer, model)
     if attach_model:
         optimizer.attach_model(model)
     loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False, collate_fn=collate(kind))
@@ -192,7 +214,14 @@ def reference_parameters(
         optimizer.zero_grad()
         model.loss(model(batch), batch).backward()
         optimizer.step()
-    return named_parameters(model)
+    return optimizer, named_parameters(model)
+
+
+def reference_parameters(
+    kind: str, batches: int, options: dict[str, Any] | None = None, attach_model: bool = False
+) -> dict[str, torch.Tensor]:
+    """The final parameters of :func:`reference_optimizer`."""
+    return reference_optimizer(kind, batches, options, attach_model)[1]
 
 
 class RecordingDistributor(ProcessGroupDistributor):
@@ -217,27 +246,45 @@ def main() -> None:
     parser.add_argument("--save-folder", type=Path, required=True)
     parser.add_argument("--run-name", default="dash")
     parser.add_argument("--autoresume", action="store_true")
+    parser.add_argument("--load-path")
+    parser.add_argument("--fsdp", choices=("sharded", "full"))
+    parser.add_argument("--grafting", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     lrs = RecordLearningRates()
+    memory = InMemoryLogger()
+    options = DASH_OPTIONS if args.grafting == "adam" else SGD_GRAFTING_OPTIONS
     trainer = make_trainer(
-        args.kind, args.max_duration, args.save_folder, args.run_name, autoresume=args.autoresume, callbacks=[lrs]
+        args.kind,
+        args.max_duration,
+        args.save_folder,
+        args.run_name,
+        load_path=args.load_path,
+        autoresume=args.autoresume,
+        algorithm_options=options,
+        callbacks=[lrs, DashComposerMonitor()],
+        loggers=[memory],
+        fsdp=args.fsdp,
     )
     optimizer = trainer.state.optimizers[0]
-    if optimizer.distributor is not None:  # the one Dash installed, made to record the block owners
-        optimizer.distributor = RecordingDistributor()
+    if args.fsdp is None and optimizer.distributor is not None:
+        optimizer.distributor = RecordingDistributor()  # the one Dash installed, made to record the block owners
     trainer.fit()
     rank = dist.get_global_rank()
-    owners = optimizer.distributor.owners if optimizer.distributor is not None else []
+    owners = getattr(optimizer.distributor, "owners", [])
     torch.save(
         {
             "optimizer": type(optimizer).__name__,
+            "distributor": type(optimizer.distributor).__name__,
             "world_size": optimizer.distributor.world_size if optimizer.distributor is not None else 1,
             "owners": owners,
             "owned_blocks": owners.count(rank),
+            "owned_tiles": optimizer.owned_tiles(),
+            "state_bytes": optimizer.state_bytes(),
             "ownership_balance": optimizer.ownership_balance,
             "batches": trainer.state.timestamp.batch.value,
             "lrs": lrs.lrs,
+            "metrics": {name: values[-1][1] for name, values in memory.data.items() if name.startswith("dash/")},
             "parameters": named_parameters(trainer.state.model),
         },
         args.out / f"rank{rank}.pt",

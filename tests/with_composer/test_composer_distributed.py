@@ -39,10 +39,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
-    """Run the training script on two ranks; return what each rank saved."""
+def launch(tmp_path: Path, name: str, *args: str, n: int = 2) -> list[dict]:
+    """Run the training script on ``n`` ranks; return what each rank saved."""
     out = tmp_path / name
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     # The ranks import this checkout's lightning_dash (SCRIPT.parents[2]), as the tests do.
     paths = [str(SCRIPT.parent), str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
@@ -51,7 +51,7 @@ def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
         "-m",
         "composer.cli.launcher",
         "-n",
-        "2",
+        str(n),
         "--master_port",
         str(free_port()),
         "--stderr",
@@ -67,7 +67,7 @@ def launch(tmp_path: Path, name: str, *args: str) -> list[dict]:
         pytest.fail(
             f"launcher failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{logs[-3000:]}"
         )
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(n)]
 
 
 def assert_same_on_both_ranks(ranks: list[dict]) -> None:

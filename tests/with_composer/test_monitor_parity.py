@@ -97,6 +97,7 @@ def test_both_monitors_log_the_shared_metrics_under_the_same_names(tmp_path: Pat
             "dash/nonfinite_grad_skips",
             "dash/nonfinite_update_skips",
             "dash/ownership_balance",
+            "dash/state_bytes",
             "dash/root_residual",
             "dash/async_roots_hidden",
             "dash/async_roots_waited",

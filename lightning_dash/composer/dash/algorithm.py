@@ -8,8 +8,13 @@ from typing import Any
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import ensure_tuple
+from typing_extensions import override
 
+from lightning_dash.composer.dash.checkpoints import CheckpointForm
+from lightning_dash.composer.dash.gradient_average import correct_gradient_average
+from lightning_dash.composer.dash.sharding import check_composer_sharding, fsdp_version, refuse_fsdp1
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
+from lightning_dash.integration.sharded_checkpoint import name_parameters
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import check_option_names
 
@@ -67,6 +72,10 @@ class Dash(Algorithm):
         check_option_names(options)  # a name left over is no DASH option
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
         self.optimizer: DASH | None = None
+        #: How DASH's state meets Composer's checkpoints (None before ``Event.INIT``).
+        self.checkpoint_form: CheckpointForm | None = None
+        self._fsdp2 = False
+        self._sharding_checked = False
 
     def __repr__(self) -> str:
         conversion = self.conversion
@@ -77,17 +86,43 @@ class Dash(Algorithm):
             shown["allow_custom_step"] = True
         return f"Dash({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
 
+    @override
     def match(self, event: Event, state: State) -> bool:
-        return event == Event.INIT
+        if event == Event.INIT:
+            return True
+        # FSDP2 replaces the parameters by DTensors after INIT, before BEFORE_LOAD.
+        return self._fsdp2 and event in (Event.BEFORE_LOAD, Event.AFTER_LOAD)
 
+    @override
     def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.INIT:
+            self._install(state)
+            return
+        assert self.optimizer is not None and self.checkpoint_form is not None
+        if not self._sharding_checked:
+            self._check_sharding(state)
+        self.checkpoint_form.loading = event == Event.BEFORE_LOAD
+        if event == Event.AFTER_LOAD:
+            self.checkpoint_form.finish_loading()
+
+    def _install(self, state: State) -> None:
+        refuse_fsdp1(state)
+        self._fsdp2 = fsdp_version(state) == 2
+        if self._fsdp2 and state.fsdp_config.load_monolith_rank0_only:
+            raise ValueError(
+                "Dash under FSDP2 does not support load_monolith_rank0_only=True: Composer shards the "
+                "model after such a load and clears the optimizer state it loaded"
+            )
         optimizers = ensure_tuple(state.optimizers)
         if len(optimizers) != 1:
             raise ValueError(f"Dash needs exactly one optimizer in the trainer, found {len(optimizers)}")
-        dash = self.conversion.convert(optimizers[0], model=state.model)
-        # Composer saves through torch.distributed.checkpoint, which calls state_dict()
-        # on every rank: let DASH gather the blocks of all ranks inside that call.
-        dash.collective_state_dict = True
+        dash = self.conversion.convert(optimizers[0], sharded_parameters=self._fsdp2, model=state.model)
+        if self._fsdp2:
+            # Composer swaps the parameters for FSDP2's DTensors by name and keeps the other
+            # group keys: named groups keep routing and checkpoints tied to the names.
+            name_parameters(dash, state.model)
+        sharded_files = self._fsdp2 and state.fsdp_config.state_dict_type == "sharded"
+        self.checkpoint_form = CheckpointForm(dash, sharded_files=sharded_files)
         state.optimizers = dash
         self.optimizer = dash
         log.info(
@@ -95,6 +130,23 @@ class Dash(Algorithm):
             type(optimizers[0]).__name__,
             "" if dash.distributor is None else f" (blocks owned across {dash.distributor.world_size} ranks)",
         )
+
+    def _check_sharding(self, state: State) -> None:
+        """Once FSDP2 has sharded the model: re-read the parameters' roles (DASH keys them
+        by identity, and the parameters are new), check they are row shards, and make
+        the backend's gradient reduction an average."""
+        dash = self.optimizer
+        assert dash is not None
+        dash.attach_model(state.model)
+        check_composer_sharding(dash)
+        factor = correct_gradient_average(state, dash.param_groups[0]["params"][0])
+        if factor != 1:
+            log.warning(
+                "Dash: this backend's reduce_scatter sums where FSDP2 asks for an average (gloo under "
+                "torch 2.7); FSDP2's gradients are divided by %d",
+                factor,
+            )
+        self._sharding_checked = True
 
     def state_dict(self) -> dict[str, Any]:
         """Composer stores this beside the optimizer. torch.distributed.checkpoint keeps
@@ -108,12 +160,25 @@ class Dash(Algorithm):
                 "nonfinite_update_skips": self.optimizer.nonfinite_update_skips,
                 "grafting": self.optimizer.grafting,
             }
+        if self.checkpoint_form is not None and self.checkpoint_form.saved_keys is not None:
+            # What the whole file's optimizer state holds, for the template of a load under FSDP2.
+            packed["optimizer_state_keys"] = self.checkpoint_form.saved_keys
         return packed
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("dash")
         if saved is None or self.optimizer is None:
             return
+        form = self.checkpoint_form
+        if self._fsdp2 and form is not None and not form.sharded_files:
+            keys = state.get("optimizer_state_keys")
+            if keys is None:
+                raise ValueError(
+                    "Dash under FSDP2 cannot load this single-file checkpoint: it does not record its "
+                    "optimizer state's keys (written by lightning-dash 0.4 or earlier); resume it once "
+                    "without FSDP and save it again"
+                )
+            form.expect_whole_file(keys)
         self.optimizer.root_failure_count = int(saved["root_failure_count"])
         self.optimizer.nonfinite_grad_skips = int(saved["nonfinite_grad_skips"])
         self.optimizer.nonfinite_update_skips = int(saved.get("nonfinite_update_skips", 0))

@@ -172,7 +172,10 @@ class _Collector(ast.NodeVisitor):
         if name in WARNING_CALLS and node.args:
             where = f"{self.where}:{node.lineno}"
             names = _local_strings(self.functions[-1] if self.functions else None, node.lineno)
-            self.sites.append(Site(where, "warning", _tuple(fragments(node.args[0], names))))
+            message = node.args[0]
+            if len(node.args) > 1:  # a logger's "%"-template with its arguments
+                message = ast.BinOp(left=message, op=ast.Mod(), right=ast.Tuple(elts=node.args[1:], ctx=ast.Load()))
+            self.sites.append(Site(where, "warning", _tuple(fragments(message, names))))
         self.generic_visit(node)
 
 

@@ -118,7 +118,8 @@ def stepped(**options) -> DASH:
 
 
 def test_metrics_of_a_step_whose_newton_roots_have_a_residual():
-    metrics = dash_metrics(stepped(inverse_root_method="newton_db"), 2.5)
+    optimizer = stepped(inverse_root_method="newton_db")
+    metrics = dash_metrics(optimizer, 2.5)
     residual = metrics.pop("dash/root_residual")
     assert 0.0 <= residual < 1.0
     assert metrics == {
@@ -127,7 +128,9 @@ def test_metrics_of_a_step_whose_newton_roots_have_a_residual():
         "dash/nonfinite_grad_skips": 0.0,
         "dash/nonfinite_update_skips": 0.0,
         "dash/ownership_balance": 1.0,
+        "dash/state_bytes": float(optimizer.state_bytes()),
     }
+    assert metrics["dash/state_bytes"] > 0
 
 
 def test_metrics_add_async_counters_and_gradient_traffic_only_when_present():
@@ -139,6 +142,7 @@ def test_metrics_add_async_counters_and_gradient_traffic_only_when_present():
         "dash/nonfinite_grad_skips",
         "dash/nonfinite_update_skips",
         "dash/ownership_balance",
+        "dash/state_bytes",
         "dash/async_roots_hidden",
         "dash/async_roots_waited",
         "dash/async_wait_ms",

@@ -138,3 +138,17 @@ def test_fsdp1_is_refused_before_composer_asks_for_a_gpu() -> None:
 def test_a_parameter_composer_leaves_whole_is_named() -> None:
     with pytest.raises(ValueError, match=r"Dash under FSDP2: extra is not sharded .* move it into a child"):
         make_trainer(KIND, "2ba", fsdp="sharded", extra_parameter=True)
+
+
+def test_a_single_file_without_its_key_record_is_refused_under_fsdp2(tmp_path: Path) -> None:
+    first = make_trainer(KIND, "2ba", save_folder=tmp_path, algorithm_options=SGD_GRAFTING_OPTIONS)
+    first.fit()
+    first.close()
+    path = tmp_path / "ep0-ba2-rank0.pt"
+    checkpoint = torch.load(path, weights_only=False)
+    algorithms = dict(checkpoint["state"]["algorithms"])
+    assert "optimizer_state_keys" in algorithms["Dash"]
+    del algorithms["Dash"]["optimizer_state_keys"]  # as lightning-dash 0.4 wrote it
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="cannot load this single-file checkpoint: it does not record"):
+        make_trainer(KIND, "4ba", load_path=str(path), algorithm_options=SGD_GRAFTING_OPTIONS, fsdp="full")

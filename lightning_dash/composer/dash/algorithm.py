@@ -34,9 +34,12 @@ class Dash(Algorithm):
     to DASH. With several processes every rank owns a cost-balanced share of the
     blocks and one all-gather shares the updates (the same
     :class:`~lightning_dash.distributed.ProcessGroupDistributor` the Lightning
-    strategy uses). Checkpoints go through Composer's own save/load, which calls
-    ``state_dict()`` on every rank; DASH then consolidates the blocks of all ranks by
-    itself, so a checkpoint resumes on any number of processes.
+    strategy uses). Under Composer's FSDP2 (``FSDP2Config``) the parameters are row
+    shards and a :class:`~lightning_dash.distributed.ShardedDistributor` sends each
+    block's gradient rows to its owner and the update rows back, as the ``"dash_fsdp"``
+    strategy does; FSDP1 is refused at INIT. Checkpoints go through Composer's own
+    save/load (:mod:`lightning_dash.composer.dash.checkpoints` gives DASH's state the form
+    it expects) and resume on any number of processes, under DDP or FSDP2.
 
     Options are plain keyword arguments so llm-foundry YAML can pass them
     (``algorithms: {dash: {block_size: 1024}}``), or a

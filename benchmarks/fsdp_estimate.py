@@ -51,13 +51,13 @@ from _records import column_cells, record_type
 from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
+from lightning_dash.distributed.holdings import row_range
 from lightning_dash.distributed.row_exchange import (
     exchange_for,
     holder_preferences,
-    matrix_views,
     plan_pieces,
     plan_rank,
-    row_range,
+    row_holdings,
 )
 from lightning_dash.optim.config import DashConfig
 from lightning_dash.optim.stacks.blocks import MatrixView
@@ -202,16 +202,16 @@ def sharded_plan(
     regions = matrix_regions(views, block_size)
     tiles = [tile for region in regions for tile in region.single_tiles()]
     costs = [block_cost(*tile.block_shape, precondition_frequency, root_iterations) for tile in tiles]
-    preferred = holder_preferences(regions, params, world_size) if prefer_holders else None
+    holdings = row_holdings(regions, params, world_size)
+    preferred = holder_preferences(regions, holdings) if prefer_holders else None
     owners = lpt_assign(costs, world_size, preferred=preferred)
-    rank_plans, first = plan_rank(regions, params, owners, world_size, rank=0)
+    rank_plans, first = plan_rank(regions, params, owners, holdings, rank=0)
     exchanges = [first]
-    runs = [first.holder_runs(), first.owner_runs(rank_plans[0])]
+    runs = [first.gradient_send_runs(), first.gradient_receive_runs(rank_plans[0])]
     setup = time.perf_counter() - start
     start = time.perf_counter()
-    shapes, leading = matrix_views(regions, params)
-    pieces = plan_pieces(rank_plans, shapes, world_size, leading)
-    exchanges += [exchange_for(pieces, rank, world_size, shapes, leading) for rank in range(1, world_size)]
+    pieces, updates = plan_pieces(rank_plans, holdings)
+    exchanges += [exchange_for(pieces, updates, rank, holdings) for rank in range(1, world_size)]
     others = time.perf_counter() - start
     loads = [0.0] * world_size
     for owner, cost in zip(owners, costs):

@@ -1,15 +1,16 @@
-"""Which gradient rows travel to which block owner when parameters are sharded by rows.
+"""Which gradient pieces travel to which block owner, and which update pieces come back.
 
-FSDP2 cuts dim 0 of every parameter the way ``torch.chunk`` does: ``ceil(rows / N)``
-rows per rank, the last ranks holding fewer (or none). A DASH block is a tile of the
-whole parameter's matrix view, so its rows may sit on several ranks. A *piece* is the
-part of one block that one rank holds. Every rank derives the same list of pieces
+Each rank holds a rectangle of every parameter's matrix view (:mod:`.holdings`: a run
+of rows under FSDP2, a rectangle under tensor parallelism, possibly replicated). A
+DASH block is a tile of the whole parameter's matrix view, so it may sit on several
+ranks. A *piece* is the part of one block inside one holder's rectangle: a gradient
+piece comes from one holder of it, update pieces go to all of them. Every rank derives the same list of pieces
 from the parameter shapes and the ownership plan (the blocks are a single process's,
 whatever the world size), so gradient pieces go to owners and update pieces come back
 in one ``all_to_all`` each, in an order both sides agree on without any metadata.
 
 Each side moves its pieces with one gather or scatter over one flat tensor: a holder
-over its row shards of every blocked parameter, end to end (:attr:`RowExchange.held`),
+over its rectangles of every blocked parameter, end to end (:attr:`RowExchange.held`),
 an owner over its stacks, end to end. Every row of a piece is a run of consecutive
 elements on both sides, so a side's whole part is a list of runs (:class:`Runs`), kept
 per layout (two integers a run); the element positions are expanded from it for one
@@ -25,21 +26,17 @@ import torch
 from torch import Tensor
 
 from lightning_dash.distributed.block_exchange import split_by_owner
+from lightning_dash.distributed.holdings import Holdings
 from lightning_dash.optim.stacks import Region, StackPlan, stacks_by_placement
-
-
-def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of the rows ``rank`` holds of a dimension of ``rows`` (chunk semantics)."""
-    chunk = -(-rows // world_size) if rows else 0
-    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The rows ``rows`` x columns ``cols`` of one block that rank ``holder`` holds.
+    """The rows ``rows`` x columns ``cols`` of one block that travel between ``owner`` and
+    ``holder``: a gradient piece the holder sends, or an update piece it receives.
 
     ``owner`` updates the block, which is block ``block`` of its stack ``stack``;
-    ``block_row`` is the first of these rows counted inside the block.
+    ``block_row`` and ``block_col`` place the piece inside the block.
     """
 
     owner: int
@@ -50,6 +47,7 @@ class Piece:
     rows: tuple[int, int]
     cols: tuple[int, int]
     block_row: int
+    block_col: int = 0
 
     @property
     def height(self) -> int:
@@ -64,79 +62,33 @@ class Piece:
         return self.height * self.width
 
 
-def view_row_range(view_rows: int, leading: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``rank``'s rows of a matrix view of ``view_rows`` rows of a parameter whose first
-    dimension, the one FSDP2 shards, has ``leading`` entries (a stack of experts viewed
-    as one matrix per expert has ``view_rows / leading`` rows per entry)."""
-    per_entry = view_rows // leading if leading else 1
-    start, end = row_range(leading, world_size, rank)
-    return start * per_entry, end * per_entry
-
-
-def holders_of(top: int, height: int, view_rows: int, leading: int, world_size: int) -> range:
-    """The ranks that may hold rows ``[top, top + height)`` of the matrix view: only the
-    ranks whose chunks the rows cross, found by division (not by visiting every rank)."""
-    chunk = -(-leading // world_size) if leading else 0
-    span = chunk * (view_rows // leading if leading else 1)  # view rows per rank's chunk
-    if span == 0 or height == 0:
-        return range(0)
-    return range(top // span, min((top + height - 1) // span, world_size - 1) + 1)
-
-
-def main_holder(top: int, height: int, view_rows: int, leading: int, world_size: int) -> int | None:
-    """The rank that holds most of rows ``[top, top + height)`` of the matrix view (the
-    lowest of equals; None when no rank holds any): the owner that moves fewest rows."""
-    holders = holders_of(top, height, view_rows, leading, world_size)
-    best, most = None, 0
-    # ranks strictly between the first and the last hold whole chunks, equal to the second's
-    for holder in sorted({*holders[:2], *holders[-1:]}):
-        start, end = view_row_range(view_rows, leading, world_size, holder)
-        held = min(top + height, end) - max(top, start)
-        if held > most:
-            best, most = holder, held
-    return best
-
-
 def plan_pieces(
-    rank_plans: list[list[StackPlan]],
-    shapes: dict[int, tuple[int, int]],
-    world_size: int,
-    leading: dict[int, int] | None = None,
-    rank: int | None = None,
-) -> list[Piece]:
-    """Every piece of every rank's blocks, in the canonical order: owner, its stack,
-    block, then holder; with ``rank``, only the pieces it sends or receives (what its
-    side of the exchange needs). ``shapes`` are the matrix views of the parameters by
-    index, ``leading`` their first dimensions where the view's rows differ from it."""
-    leading = leading or {}
-    pieces = []
+    rank_plans: list[list[StackPlan]], holdings: Holdings, rank: int | None = None
+) -> tuple[list[Piece], list[Piece]]:
+    """Every gradient piece and every update piece of every rank's blocks, in the
+    canonical order: owner, its stack, block, then cell; with ``rank``, only the pieces
+    it sends or receives. A block's gradient is read from one holder of each cell it
+    crosses (:meth:`Cell.source`); its update goes to every holder of the cell."""
+    gradients, updates = [], []
     for owner, plans in enumerate(rank_plans):
         for stack, plan in enumerate(plans):
             block_rows, block_cols = plan.block_shape
             for region in plan.regions:
-                rows = shapes[region.param_index][0]
-                entries = leading.get(region.param_index, rows)
+                cells = holdings.parameters[region.param_index]
                 for offset, tile in enumerate(region.single_tiles()):
                     top, left = tile.row_start, tile.col_start
-                    for holder in holders_of(top, block_rows, rows, entries, world_size):
-                        if rank is not None and rank not in (owner, holder):
-                            continue
-                        start, end = view_row_range(rows, entries, world_size, holder)
-                        low, high = max(top, start), min(top + block_rows, end)
-                        if low < high:
-                            pieces.append(
-                                Piece(
-                                    owner,
-                                    holder,
-                                    stack,
-                                    region.stack_offset + offset,
-                                    region.param_index,
-                                    (low, high),
-                                    (left, left + block_cols),
-                                    low - top,
-                                )
-                            )
-    return pieces
+                    block = region.stack_offset + offset
+                    for cell in cells.cells_over((top, top + block_rows), (left, left + block_cols)):
+                        rows = (max(top, cell.rows[0]), min(top + block_rows, cell.rows[1]))
+                        cols = (max(left, cell.cols[0]), min(left + block_cols, cell.cols[1]))
+                        source = cell.source(owner)
+                        place = (owner, stack, block, region.param_index, rows, cols, rows[0] - top, cols[0] - left)
+                        if rank is None or rank in (owner, source):
+                            gradients.append(Piece(place[0], source, *place[1:]))
+                        for holder in cell.holders:
+                            if rank is None or rank in (owner, holder):
+                                updates.append(Piece(place[0], holder, *place[1:]))
+    return gradients, updates
 
 
 @dataclass(frozen=True)
@@ -188,118 +140,153 @@ def _runs_of_rectangles(bases: list[int], heights: list[int], steps: list[int], 
 class RowExchange:
     """One rank's side of the exchange.
 
-    ``outgoing[r]``: the pieces this rank holds of rank ``r``'s blocks (gradients go
-    out in this order, updates come back in it); ``incoming[r]``: the pieces of this
-    rank's blocks that rank ``r`` holds; ``held_rows``: the rows of each parameter's
-    matrix view this rank holds, ``columns`` the view's columns.
+    ``gradients_out[r]``: the gradient pieces this rank sends to owner ``r``;
+    ``gradients_in[r]``: the gradient pieces of this rank's blocks that rank ``r`` sends;
+    ``updates_out[r]``: the update pieces of this rank's blocks that rank ``r`` holds;
+    ``updates_in[r]``: the update pieces this rank holds of rank ``r``'s blocks. Without
+    replicated cells the update pieces are the gradient pieces, travelling back.
+    ``holdings``: every rank's rectangles.
     """
 
     rank: int
-    outgoing: list[list[Piece]]
-    incoming: list[list[Piece]]
-    held_rows: dict[int, tuple[int, int]]
-    columns: dict[int, int] = field(default_factory=dict)
+    gradients_out: list[list[Piece]]
+    gradients_in: list[list[Piece]]
+    updates_out: list[list[Piece]]
+    updates_in: list[list[Piece]]
+    holdings: Holdings = field(repr=False)
 
     @cached_property
     def held(self) -> dict[int, tuple[int, int]]:
-        """Where each parameter's row shard sits in this rank's flat holder tensor
-        (its shards end to end in parameter order): parameter index -> (offset, numel)."""
+        """Where each parameter's rectangle sits in this rank's flat holder tensor
+        (its rectangles end to end in parameter order): parameter index -> (offset, numel)."""
         placed, offset = {}, 0
-        for index in sorted(self.held_rows):
-            start, end = self.held_rows[index]
-            numel = (end - start) * self.columns[index]
+        for index in sorted(self.holdings.parameters):
+            (top, bottom), (left, right) = self.holdings.held(index, self.rank)
+            numel = max(bottom - top, 0) * max(right - left, 0)
             placed[index] = (offset, numel)
             offset += numel
         return placed
 
-    def holder_runs(self) -> Runs:
-        """The outgoing buffer's elements in the flat holder tensor (see :attr:`held`)."""
+    def _holder_runs(self, lists: list[list[Piece]]) -> Runs:
         held = self.held
-        pieces = [piece for pieces in self.outgoing for piece in pieces]
+        pieces = [piece for pieces in lists for piece in pieces]
+        rectangles = [self.holdings.held(p.param_index, self.rank) for p in pieces]
+        widths = [right - left for _, (left, right) in rectangles]
         return _runs_of_rectangles(
             [
-                held[p.param_index][0]
-                + (p.rows[0] - self.held_rows[p.param_index][0]) * self.columns[p.param_index]
-                + p.cols[0]
-                for p in pieces
+                held[p.param_index][0] + (p.rows[0] - top) * width + p.cols[0] - left
+                for p, ((top, _), (left, _)), width in zip(pieces, rectangles, widths)
             ],
             [p.height for p in pieces],
-            [self.columns[p.param_index] for p in pieces],
+            widths,
             [p.width for p in pieces],
         )
 
-    def owner_runs(self, plans: list[StackPlan]) -> Runs:
-        """The incoming buffer's elements in this rank's stacks (``plans``), end to end."""
+    def _owner_runs(self, plans: list[StackPlan], lists: list[list[Piece]]) -> Runs:
         stack_offsets, offset = [], 0
         for plan in plans:
             stack_offsets.append(offset)
             offset += plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
-        pieces = [piece for pieces in self.incoming for piece in pieces]
-        block_numel = [plans[p.stack].block_shape[0] * p.width for p in pieces]
+        pieces = [piece for pieces in lists for piece in pieces]
+        shapes = [plans[p.stack].block_shape for p in pieces]
         return _runs_of_rectangles(
-            [stack_offsets[p.stack] + p.block * size + p.block_row * p.width for p, size in zip(pieces, block_numel)],
+            [
+                stack_offsets[p.stack] + p.block * rows * cols + p.block_row * cols + p.block_col
+                for p, (rows, cols) in zip(pieces, shapes)
+            ],
             [p.height for p in pieces],
-            [p.width for p in pieces],
+            [cols for _, cols in shapes],
             [p.width for p in pieces],
         )
+
+    def gradient_send_runs(self) -> Runs:
+        """The outgoing gradients' elements in the flat holder tensor (see :attr:`held`)."""
+        return self._holder_runs(self.gradients_out)
+
+    def update_receive_runs(self) -> Runs:
+        """Where the incoming updates' elements go in the flat holder tensor."""
+        return self._holder_runs(self.updates_in)
+
+    def gradient_receive_runs(self, plans: list[StackPlan]) -> Runs:
+        """Where the incoming gradients' elements go in this rank's stacks (``plans``), end to end."""
+        return self._owner_runs(plans, self.gradients_in)
+
+    def update_send_runs(self, plans: list[StackPlan]) -> Runs:
+        """The outgoing updates' elements in this rank's stacks (``plans``), end to end."""
+        return self._owner_runs(plans, self.updates_out)
 
     @cached_property
     def held_numel(self) -> int:
         """Elements of this rank's flat holder tensor."""
         return sum(numel for _, numel in self.held.values())
 
-    @cached_property
-    def outgoing_sizes(self) -> list[int]:
-        return [sum(piece.numel for piece in pieces) for pieces in self.outgoing]
+    @staticmethod
+    def _sizes(lists: list[list[Piece]]) -> list[int]:
+        return [sum(piece.numel for piece in pieces) for pieces in lists]
 
     @cached_property
-    def incoming_sizes(self) -> list[int]:
-        return [sum(piece.numel for piece in pieces) for pieces in self.incoming]
+    def gradients_out_sizes(self) -> list[int]:
+        return self._sizes(self.gradients_out)
+
+    @cached_property
+    def gradients_in_sizes(self) -> list[int]:
+        return self._sizes(self.gradients_in)
+
+    @cached_property
+    def updates_out_sizes(self) -> list[int]:
+        return self._sizes(self.updates_out)
+
+    @cached_property
+    def updates_in_sizes(self) -> list[int]:
+        return self._sizes(self.updates_in)
 
     def elements_sent(self) -> int:
         """Elements this rank sends to other ranks in one step: its gradient pieces of
         their blocks, then the update pieces of its blocks that they hold."""
-        out, back = self.outgoing_sizes, self.incoming_sizes
+        out, back = self.gradients_out_sizes, self.updates_out_sizes
         return sum(out) - out[self.rank] + sum(back) - back[self.rank]
 
 
-def exchange_for(
-    pieces: list[Piece],
-    rank: int,
-    world_size: int,
-    shapes: dict[int, tuple[int, int]],
-    leading: dict[int, int] | None = None,
-) -> RowExchange:
-    """The side of ``rank`` of the exchange of ``pieces`` (see :func:`plan_pieces`; the
+def exchange_for(gradients: list[Piece], updates: list[Piece], rank: int, holdings: Holdings) -> RowExchange:
+    """The side of ``rank`` of the exchange of these pieces (see :func:`plan_pieces`; the
     pieces of every rank, or only those ``rank`` sends or receives)."""
-    leading = leading or {}
-    outgoing: list[list[Piece]] = [[] for _ in range(world_size)]
-    incoming: list[list[Piece]] = [[] for _ in range(world_size)]
-    for piece in pieces:
+    world_size = holdings.world_size
+    lists: list[list[list[Piece]]] = [[[] for _ in range(world_size)] for _ in range(4)]
+    gradients_out, gradients_in, updates_out, updates_in = lists
+    for piece in gradients:
         if piece.holder == rank:
-            outgoing[piece.owner].append(piece)
+            gradients_out[piece.owner].append(piece)
         if piece.owner == rank:
-            incoming[piece.holder].append(piece)
-    held_rows = {
-        index: view_row_range(rows, leading.get(index, rows), world_size, rank) for index, (rows, _) in shapes.items()
-    }
-    return RowExchange(rank, outgoing, incoming, held_rows, {index: cols for index, (_, cols) in shapes.items()})
+            gradients_in[piece.holder].append(piece)
+    for piece in updates:
+        if piece.owner == rank:
+            updates_out[piece.holder].append(piece)
+        if piece.holder == rank:
+            updates_in[piece.owner].append(piece)
+    return RowExchange(rank, gradients_out, gradients_in, updates_out, updates_in, holdings)
 
 
 def matrix_views(regions: list[Region], params: list[Tensor]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
     """The matrix view of each blocked parameter (by index) and its first dimension, the
-    one FSDP2 shards: what :func:`plan_pieces` and :func:`exchange_for` take."""
+    one FSDP2 shards."""
     shapes = {region.param_index: region.view.shape for region in regions}
     return shapes, {index: int(params[index].shape[0]) for index in shapes}
 
 
-def holder_preferences(regions: list[Region], params: list[Tensor], world_size: int) -> list[int | None]:
-    """For each tile of ``regions``, in order, the rank that holds most of its rows
-    (:func:`main_holder`): the owner LPT prefers among equally loaded ranks."""
+def row_holdings(regions: list[Region], params: list[Tensor], world_size: int) -> Holdings:
+    """What each rank holds of the blocked parameters when FSDP2 shards them by rows."""
     shapes, leading = matrix_views(regions, params)
+    return Holdings.by_rows(shapes, leading, world_size)
+
+
+def holder_preferences(regions: list[Region], holdings: Holdings) -> list[int | None]:
+    """For each tile of ``regions``, in order, the rank that holds most of it
+    (:meth:`Holdings.main_holder`): the owner LPT prefers among equally loaded ranks."""
     return [
-        main_holder(
-            tile.row_start, tile.block_shape[0], shapes[tile.param_index][0], leading[tile.param_index], world_size
+        holdings.main_holder(
+            tile.param_index,
+            (tile.row_start, tile.row_start + tile.block_shape[0]),
+            (tile.col_start, tile.col_start + tile.block_shape[1]),
         )
         for region in regions
         for tile in region.single_tiles()
@@ -307,11 +294,11 @@ def holder_preferences(regions: list[Region], params: list[Tensor], world_size: 
 
 
 def plan_rank(
-    regions: list[Region], params: list[Tensor], owners: list[int], world_size: int, rank: int
+    regions: list[Region], params: list[Tensor], owners: list[int], holdings: Holdings, rank: int
 ) -> tuple[list[list[StackPlan]], RowExchange]:
-    """Every rank's stacks given each tile's owner, and ``rank``'s side of the row exchange
+    """Every rank's stacks given each tile's owner, and ``rank``'s side of the exchange
     (built from only the pieces it sends or receives)."""
-    shapes, leading = matrix_views(regions, params)
+    world_size = holdings.world_size
     rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
-    pieces = plan_pieces(rank_plans, shapes, world_size, leading, rank=rank)
-    return rank_plans, exchange_for(pieces, rank, world_size, shapes, leading)
+    gradients, updates = plan_pieces(rank_plans, holdings, rank=rank)
+    return rank_plans, exchange_for(gradients, updates, rank, holdings)

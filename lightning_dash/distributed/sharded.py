@@ -18,21 +18,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
-from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank, row_range
+from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank
 from lightning_dash.optim.distributor import BlockUpdate, masked
-from lightning_dash.optim.stacks import GRAFTING_RMS, MOMENTUM, Region, StackPlan, working_dtype
+from lightning_dash.optim.stacks import Region, StackPlan, working_dtype
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _local_gradient(param: Tensor) -> Tensor | None:
+    """This rank's part of ``param``'s gradient, laid out as its part of ``param``."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return None if grad is None else _local(grad)
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """The whole tensor on the CPU (collective for a DTensor)."""
+    return tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor
+
+
+def _placement_ok(placement: Placement, matrix: bool) -> bool:
+    """Whether a mesh dimension cuts a parameter into rectangles of its matrix: by rows
+    (FSDP2, a column-parallel weight, its strided form under FSDP2), by the columns of a
+    matrix (a row-parallel weight), or not at all (replicated)."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim == 0 or (matrix and placement.dim == 1)
+    return isinstance(placement, Replicate)
+
+
 def check_row_sharded(params: list[Tensor], names: list[str] | None, world_size: int) -> None:
-    """Refuse parameters that are not sharded by rows over ``world_size`` ranks (FSDP2's
-    ``fully_shard`` on a one-dimensional mesh), naming the first one."""
+    """Refuse parameters that are not DTensors cut into rectangles (FSDP2's rows, and
+    tensor parallelism's rows or columns of a matrix, possibly replicated), naming the
+    first one."""
     for index, param in enumerate(params):
         name = names[index] if names else f"parameter {index} {tuple(param.shape)}"
         if not isinstance(param, DTensor):
@@ -40,12 +65,46 @@ def check_row_sharded(params: list[Tensor], names: list[str] | None, world_size:
                 f"{name} is not sharded (a plain tensor): with strategy 'dash_fsdp' every parameter must "
                 "belong to a module passed to fully_shard (shard the root module last)"
             )
-        mesh = param.device_mesh
-        if mesh.ndim != 1 or mesh.size() != world_size or tuple(param.placements) != (Shard(0),):
+        if not all(_placement_ok(placement, param.dim() == 2) for placement in param.placements):
             raise ValueError(
-                f"{name} is placed as {param.placements} on a mesh of shape {tuple(mesh.shape)}: DASH supports "
-                f"FSDP2 row sharding (Shard(0)) over a one-dimensional mesh of {world_size} ranks"
+                f"{name} is placed as {param.placements} on a mesh of shape {tuple(param.device_mesh.shape)}: DASH "
+                "supports parameters sharded by rows (Shard(0), as FSDP2 and column-parallel layers do), by "
+                "columns of a matrix (Shard(1), row-parallel layers) or replicated"
             )
+
+
+def _rectangle(param: Tensor, view: tuple[int, int]) -> tuple[Span, Span]:
+    """The rows and columns of ``param``'s matrix view ``view`` that this rank holds."""
+    chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else []
+    if not chunks or 0 in chunks[0].sizes:
+        return (0, 0), (0, 0)
+    offsets, sizes = list(chunks[0].offsets), list(chunks[0].sizes)
+    if param.dim() == 2 and tuple(param.shape) == view:
+        return (offsets[0], offsets[0] + sizes[0]), (offsets[1], offsets[1] + sizes[1])
+    per_entry = view[0] // param.shape[0]
+    return (offsets[0] * per_entry, (offsets[0] + sizes[0]) * per_entry), (0, view[1])
+
+
+def sharded_holdings(
+    regions: list[Region], params: list[Tensor], names: list[str] | None, group: dist.ProcessGroup | None
+) -> Holdings:
+    """Every rank's rectangle of each blocked parameter, gathered once (collective over
+    ``group``); a layout that does not cut a parameter into rectangles is refused."""
+    views = {region.param_index: region.view.shape for region in regions}
+    mine = {index: _rectangle(params[index], view) for index, view in views.items()}
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    holdings = Holdings(
+        len(every), {index: ParameterHoldings(view, [held[index] for held in every]) for index, view in views.items()}
+    )
+    for index, cells in holdings.parameters.items():
+        if not cells.tiles_exactly():
+            name = names[index] if names else f"parameter {index}"
+            raise ValueError(
+                f"{name} is placed as {params[index].placements}: its shards do not cut the "
+                f"{views[index]} matrix into rectangles DASH can exchange"
+            )
+    return holdings
 
 
 def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -59,12 +118,26 @@ def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dty
 
 @dataclass(frozen=True)
 class _RankExchange:
-    """This rank's part of the row exchange: the plan, its stacks, and the row runs of both sides."""
+    """This rank's part of the exchange: the plan, its stacks, and the runs of both
+    directions (gradients to the owners, updates back to the holders)."""
 
     rows: RowExchange
     plans: list[StackPlan]
-    holder_runs: Runs
-    owner_runs: Runs
+    gradient_send: Runs
+    gradient_receive: Runs
+    update_send: Runs
+    update_receive: Runs
+
+    @classmethod
+    def of(cls, rows: RowExchange, plans: list[StackPlan], device: torch.device) -> _RankExchange:
+        return cls(
+            rows,
+            plans,
+            rows.gradient_send_runs().to(device),
+            rows.gradient_receive_runs(plans).to(device),
+            rows.update_send_runs(plans).to(device),
+            rows.update_receive_runs().to(device),
+        )
 
 
 class _RowUpdates:
@@ -117,8 +190,10 @@ class ShardedDistributor(ProcessGroupDistributor):
     def local_part(self, param: Tensor, value: Tensor) -> Tensor:
         if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.shape != param.shape:
             return _local(value)
-        start, end = row_range(param.shape[0], self.world_size, self.rank)
-        return value[start:end]
+        chunks = param.__create_chunk_list__()
+        if not chunks:
+            return value[:0]
+        return value[tuple(slice(o, o + n) for o, n in zip(chunks[0].offsets, chunks[0].sizes))]
 
     def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
         if not isinstance(param, DTensor):
@@ -130,16 +205,16 @@ class ShardedDistributor(ProcessGroupDistributor):
     def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
         check_row_sharded(params, None, self.world_size)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
+        holdings = sharded_holdings(regions, params, None, self.process_group)
         owners = self.assign_owners(
             keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
             shapes=[t.block_shape for t, _ in tiles],
             frequencies=[frequency for _, frequency in tiles],
-            preferred=holder_preferences(regions, params, self.world_size),
+            preferred=holder_preferences(regions, holdings),
         )
-        rank_plans, rows = plan_rank(regions, params, owners, self.world_size, self.rank)
+        rank_plans, rows = plan_rank(regions, params, owners, holdings, self.rank)
         plans = rank_plans[self.rank]
-        device = self._device()
-        self._exchange = _RankExchange(rows, plans, rows.holder_runs().to(device), rows.owner_runs(plans).to(device))
+        self._exchange = _RankExchange.of(rows, plans, self._device())
         return plans
 
     @property
@@ -161,11 +236,12 @@ class ShardedDistributor(ProcessGroupDistributor):
         rows = exchange.rows
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         device = self._device()
-        grads = [None if params[index].grad is None else _local(params[index].grad) for index in rows.held]
+        grads = [_local_gradient(params[index]) for index in rows.held]
         held = _end_to_end(grads, [numel for _, numel in rows.held.values()], dtype, device)
-        send = held.index_select(0, exchange.holder_runs.positions())
-        received = self._all_to_all(send, rows.outgoing_sizes, rows.incoming_sizes)
-        flat = received.new_empty(exchange.owner_runs.total).index_copy_(0, exchange.owner_runs.positions(), received)
+        send = held.index_select(0, exchange.gradient_send.positions())
+        received = self._all_to_all(send, rows.gradients_out_sizes, rows.gradients_in_sizes)
+        receive = exchange.gradient_receive
+        flat = received.new_empty(receive.total).index_copy_(0, receive.positions(), received)
         stacks, offset = [], 0
         for plan in plans:
             numel = plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
@@ -190,9 +266,9 @@ class ShardedDistributor(ProcessGroupDistributor):
         widest = torch.float64 if any(item.update.dtype == torch.float64 for item in updates) else torch.float32
         sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in exchange.plans]
         stacks = _end_to_end([full.get(stack) for stack in range(len(exchange.plans))], sizes, widest, device)
-        send = stacks.index_select(0, exchange.owner_runs.positions()).to(wire_dtype(self.communication_dtype, widest))
-        received = self._all_to_all(send, exchange.rows.incoming_sizes, exchange.rows.outgoing_sizes)
-        return _RowUpdates(exchange.rows, exchange.holder_runs.positions(), received)
+        send = stacks.index_select(0, exchange.update_send.positions()).to(wire_dtype(self.communication_dtype, widest))
+        received = self._all_to_all(send, exchange.rows.updates_out_sizes, exchange.rows.updates_in_sizes)
+        return _RowUpdates(exchange.rows, exchange.update_receive.positions(), received)
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)
@@ -200,9 +276,17 @@ class ShardedDistributor(ProcessGroupDistributor):
         return reduced.to(values.device)
 
     def gather_states(self, state: dict[Any, dict[str, Tensor]]) -> dict[Any, dict[str, Tensor]] | None:
-        """Every rank's entries on rank 0: tiles are each one rank's; the row shards of
-        one-dimensional parameters' buffers are concatenated in rank order."""
-        gathered = self.gather_to_first(state)
+        """Every rank's entries on rank 0: tiles are each one rank's; the buffers of
+        one-dimensional parameters arrive sharded like them and are made whole first
+        (collective: every rank holds the same ones, in the same order)."""
+        whole = {
+            key: {
+                name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                for name, value in entry.items()
+            }
+            for key, entry in state.items()
+        }
+        gathered = self.gather_to_first(whole)
         if gathered is None:
             return None
         merged: dict[Any, dict[str, Tensor]] = {}
@@ -210,8 +294,5 @@ class ShardedDistributor(ProcessGroupDistributor):
             for key, entry in rank_state.items():
                 target = merged.setdefault(key, {})
                 for name, value in entry.items():
-                    if name in (MOMENTUM, GRAFTING_RMS) and name in target:
-                        target[name] = torch.cat([target[name], value])
-                    else:
-                        target.setdefault(name, value)
+                    target.setdefault(name, value)
         return merged

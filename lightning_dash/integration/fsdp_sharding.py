@@ -132,9 +132,11 @@ def shard_module(
 
 def setup_sharded_environment(strategy: Any, setup_environment: Callable[[], None]) -> None:
     """A DASH FSDP2 strategy's ``setup_environment`` (Trainer's or Fabric's): ``data_parallel_size="auto"``
-    made concrete (every process shards the model: the DASH strategies do no tensor parallelism), then
-    the base class's ``setup_environment``, then gloo's workers kept alive until exit."""
+    made concrete (the processes over the tensor-parallel size), then the base class's
+    ``setup_environment``, then gloo's workers kept alive until exit."""
     if strategy._data_parallel_size == "auto":
-        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+        tensor = strategy._tensor_parallel_size
+        tensor = strategy.num_processes if tensor == "auto" else tensor
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes // tensor
     setup_environment()
     settle_gloo_workers_at_exit()

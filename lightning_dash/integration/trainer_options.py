@@ -70,12 +70,6 @@ def check_data_parallel_options(
 
 def fsdp_options(options: dict[str, Any], strategy: str, base: Callable[..., Any]) -> dict[str, Any]:
     """``options`` for ``base`` (the strategy's ModelParallelStrategy) after refusing a keyword neither DASH
-    nor ``base`` takes, and tensor parallelism, which the FSDP2 strategies do not do (yet); every process
-    shards the model unless ``data_parallel_size`` says otherwise."""
+    nor ``base`` takes; ``data_parallel_size`` defaults to every process not in a tensor-parallel group."""
     _refuse_unknown(options, strategy, _parameters([base]) - {"parallelize_fn"})
-    if options.get("tensor_parallel_size", 1) != 1:
-        raise ValueError(
-            f"tensor_parallel_size={options['tensor_parallel_size']!r}: {strategy} shards by data "
-            "parallelism alone (tensor_parallel_size=1)"
-        )
-    return {"data_parallel_size": "auto", **options, "tensor_parallel_size": 1}
+    return {"data_parallel_size": "auto", "tensor_parallel_size": 1, **options}

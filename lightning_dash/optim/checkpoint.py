@@ -194,6 +194,10 @@ def _check_tiles(entry: dict, view: MatrixView | None, param: Tensor, name: str,
             )
 
 
+#: The per-parameter buffers of a one-dimensional parameter, shaped like it.
+VECTOR_BUFFERS = (MOMENTUM, GRAFTING_RMS)
+
+
 def upgrade_entry(entry: dict) -> dict:
     """An older per-parameter entry in today's layout: the grafting second moment
     becomes its square root (factors without a saved scale are taken as unscaled)."""
@@ -295,8 +299,14 @@ class Checkpointer:
             # every rank holds whole): stack them first, so each rank reports only its blocks.
             self.current_layout()
         tiles = distributor.shards_parameters
+        flat = self._flat_params()
+        # Sharded one-dimensional buffers go as tensors sharded like their parameters: the
+        # distributor makes them whole (with every layout of shards, replicas included).
         local = {
-            key: {name: value.cpu() for name, value in entry.items()}
+            key: {
+                name: distributor.shard_like(flat[key], value) if tiles and name in VECTOR_BUFFERS else value.cpu()
+                for name, value in entry.items()
+            }
             for key, entry in self._local_state(tiles=tiles).items()
         }
         self._consolidated = distributor.gather_states(local)

@@ -11,7 +11,8 @@ import torch
 
 from lightning_dash.distributed.assignment import lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
-from lightning_dash.distributed.row_exchange import Piece, Runs, exchange_for, main_holder, plan_pieces
+from lightning_dash.distributed.holdings import Holdings, ParameterHoldings
+from lightning_dash.distributed.row_exchange import Piece, Runs, exchange_for, plan_pieces
 from lightning_dash.optim.stacks.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.stacks.layout import matrix_regions, stacks_by_placement
 
@@ -26,7 +27,7 @@ def plans_and_views(world_size: int, block_size: int):
     rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
     shapes = {index: matrix_shape(p.shape) for index, p in enumerate(params)}
     leading = {index: p.shape[0] for index, p in enumerate(params)}
-    return rank_plans, shapes, leading
+    return rank_plans, shapes, leading, Holdings.by_rows(shapes, leading, world_size)
 
 
 def held_view_rows(view_rows: int, leading: int, world_size: int, holder: int) -> tuple[int, int]:
@@ -71,9 +72,10 @@ def brute_force_pieces(rank_plans, shapes, leading, world_size) -> list[Piece]:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 16, 40])
 @pytest.mark.parametrize("block_size", [4, 8, 1024])
 def test_pieces_equal_visiting_every_rank_and_each_rank_plans_only_its_own(world_size, block_size):
-    rank_plans, shapes, leading = plans_and_views(world_size, block_size)
-    every = plan_pieces(rank_plans, shapes, world_size, leading)
+    rank_plans, shapes, leading, holdings = plans_and_views(world_size, block_size)
+    every, updates = plan_pieces(rank_plans, holdings)
     assert every == brute_force_pieces(rank_plans, shapes, leading, world_size)
+    assert updates == every  # no replicas: each update piece goes back the way its gradient came
     # every block's rows are split among its holders exactly once
     heights: dict[tuple[int, int, int], int] = {}
     for piece in every:
@@ -84,13 +86,9 @@ def test_pieces_equal_visiting_every_rank_and_each_rank_plans_only_its_own(world
             for block in range(plan.num_blocks):
                 assert heights[(owner, stack, block)] == plan.block_shape[0]
     for rank in range(world_size):
-        own = plan_pieces(rank_plans, shapes, world_size, leading, rank=rank)
-        assert own == [p for p in every if rank in (p.owner, p.holder)]
-        mine, full = (
-            exchange_for(own, rank, world_size, shapes, leading),
-            exchange_for(every, rank, world_size, shapes, leading),
-        )
-        assert mine == full
+        own, own_updates = plan_pieces(rank_plans, holdings, rank=rank)
+        assert own == own_updates == [p for p in every if rank in (p.owner, p.holder)]
+        assert exchange_for(own, own_updates, rank, holdings) == exchange_for(every, updates, rank, holdings)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16, 64])
@@ -104,51 +102,62 @@ def test_the_main_holder_holds_the_most_rows_of_a_block(world_size):
                     for start, end in (held_view_rows(view_rows, leading, world_size, r) for r in range(world_size))
                 ]
                 expected = held.index(max(held)) if max(held) > 0 else None
-                assert main_holder(top, height, view_rows, leading, world_size) == expected
+                holdings = Holdings.by_rows({0: (view_rows, 1)}, {0: leading}, world_size)
+                assert holdings.main_holder(0, (top, top + height), (0, 1)) == expected
 
 
-def simulated_exchange(world_size: int, block_size: int):
+def simulated_exchange(rank_plans, holdings: Holdings, seed: int):
     """Every rank's side of both exchanges run in one process, the ``all_to_all`` done by
-    hand: gradients of known full matrices to the owners' stacks, then random updates
-    back to the holders' row shards. Returns what each side ended with and the inputs."""
-    rank_plans, shapes, leading = plans_and_views(world_size, block_size)
-    generator = torch.Generator().manual_seed(world_size * 100 + block_size)
-    full = {index: torch.randn(shape, generator=generator, dtype=torch.float64) for index, shape in enumerate(SHAPES)}
-    sides = [
-        exchange_for(plan_pieces(rank_plans, shapes, world_size, leading, rank=rank), rank, world_size, shapes, leading)
-        for rank in range(world_size)
-    ]
-    # what each rank holds, laid end to end in parameter order (torch.chunk: how FSDP2 cuts dim 0)
+    hand: gradients of known full matrices (each rank holding its rectangles of them, end
+    to end in parameter order) to the owners' stacks, then random updates back to every
+    holder. Returns the full matrices, what each owner received, the updates it sent, and
+    what each holder's flat tensor ended with (NaN where nothing arrived)."""
+    world_size = holdings.world_size
+    generator = torch.Generator().manual_seed(seed)
+    full = {
+        index: torch.randn(cells.shape, generator=generator, dtype=torch.float64)
+        for index, cells in holdings.parameters.items()
+    }
+    sides = []
+    for rank in range(world_size):
+        gradients, updates = plan_pieces(rank_plans, holdings, rank=rank)
+        sides.append(exchange_for(gradients, updates, rank, holdings))
     held = []
     for rank in range(world_size):
-        shards = [t.chunk(world_size)[rank] if rank < len(t.chunk(world_size)) else t[:0] for t in full.values()]
-        held.append(torch.cat([shard.reshape(-1) for shard in shards]))
-    sent = [held[rank][sides[rank].holder_runs().positions()] for rank in range(world_size)]
-    parts = [list(sent[rank].split(sides[rank].outgoing_sizes)) for rank in range(world_size)]
+        parts = []
+        for index in sorted(full):
+            (top, bottom), (left, right) = holdings.held(index, rank)
+            parts.append(full[index][top:bottom, left:right].reshape(-1))
+        held.append(torch.cat(parts))
+    sent = [held[rank][sides[rank].gradient_send_runs().positions()] for rank in range(world_size)]
+    parts = [list(sent[rank].split(sides[rank].gradients_out_sizes)) for rank in range(world_size)]
     stacks = []
     for owner in range(world_size):
+        assert [len(part) for part in (parts[holder][owner] for holder in range(world_size))] == sides[
+            owner
+        ].gradients_in_sizes
         received = torch.cat([parts[holder][owner] for holder in range(world_size)])
-        runs = sides[owner].owner_runs(rank_plans[owner])
+        runs = sides[owner].gradient_receive_runs(rank_plans[owner])
         flat = torch.full((runs.total,), math.nan, dtype=torch.float64)
         flat[runs.positions()] = received
         stacks.append(flat)
     updates = [torch.randn(flat.shape, generator=generator, dtype=torch.float64) for flat in stacks]
-    back = [updates[owner][sides[owner].owner_runs(rank_plans[owner]).positions()] for owner in range(world_size)]
-    back_parts = [list(back[owner].split(sides[owner].incoming_sizes)) for owner in range(world_size)]
+    back = [updates[owner][sides[owner].update_send_runs(rank_plans[owner]).positions()] for owner in range(world_size)]
+    back_parts = [list(back[owner].split(sides[owner].updates_out_sizes)) for owner in range(world_size)]
     applied = []
     for holder in range(world_size):
         received = torch.cat([back_parts[owner][holder] for owner in range(world_size)])
         flat = torch.full_like(held[holder], math.nan)
-        flat[sides[holder].holder_runs().positions()] = received
+        flat[sides[holder].update_receive_runs().positions()] = received
         applied.append(flat)
-    return rank_plans, full, stacks, updates, applied
+    return full, stacks, updates, applied
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16])
-@pytest.mark.parametrize("block_size", [4, 8, 1024])
-def test_the_runs_carry_every_block_to_its_owner_and_every_update_back(world_size, block_size):
-    rank_plans, full, stacks, updates, applied = simulated_exchange(world_size, block_size)
-    expected_back = {index: torch.full_like(t.reshape(matrix_shape(t.shape)), math.nan) for index, t in full.items()}
+def assert_exchange_is_exact(rank_plans, holdings: Holdings, seed: int) -> None:
+    """Owners receive exactly their blocks' gradients; every holder (replicas included)
+    receives exactly the updates of the elements it holds, each once."""
+    full, stacks, updates, applied = simulated_exchange(rank_plans, holdings, seed)
+    expected_back = {index: torch.full_like(matrix, math.nan) for index, matrix in full.items()}
     for owner, plans in enumerate(rank_plans):
         offset = 0
         for plan in plans:
@@ -156,7 +165,7 @@ def test_the_runs_carry_every_block_to_its_owner_and_every_update_back(world_siz
             stack = stacks[owner][offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
             update = updates[owner][offset : offset + plan.num_blocks * rows * cols].view(plan.num_blocks, rows, cols)
             for region in plan.regions:
-                matrix = full[region.param_index].reshape(matrix_shape(full[region.param_index].shape))
+                matrix = full[region.param_index]
                 for position, tile in enumerate(region.single_tiles(), start=region.stack_offset):
                     window = (
                         slice(tile.row_start, tile.row_start + rows),
@@ -166,19 +175,72 @@ def test_the_runs_carry_every_block_to_its_owner_and_every_update_back(world_siz
                     expected_back[region.param_index][window] = update[position]
             offset += plan.num_blocks * rows * cols
         assert offset == stacks[owner].numel()  # the blocks fill the stacks (a NaN left unwritten fails above)
-    # each holder's shards, end to end, got exactly the update rows of the blocks they belong to
-    for index, expected in expected_back.items():
-        shards = []
-        for holder in range(world_size):
-            position = sum(
-                t.chunk(world_size)[holder].numel() if holder < len(t.chunk(world_size)) else 0
-                for i, t in full.items()
-                if i < index
-            )
-            chunks = full[index].chunk(world_size)
-            numel = chunks[holder].numel() if holder < len(chunks) else 0
-            shards.append(applied[holder][position : position + numel])
-        assert torch.equal(torch.cat(shards).view(expected.shape), expected)
+    for holder in range(holdings.world_size):
+        position = 0
+        for index in sorted(full):
+            (top, bottom), (left, right) = holdings.held(index, holder)
+            expected = expected_back[index][top:bottom, left:right].reshape(-1)
+            got = applied[holder][position : position + expected.numel()]
+            assert torch.equal(got, expected), (holder, index)
+            position += expected.numel()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("block_size", [4, 8, 1024])
+def test_the_runs_carry_every_block_to_its_owner_and_every_update_back(world_size, block_size):
+    rank_plans, _, _, holdings = plans_and_views(world_size, block_size)
+    assert_exchange_is_exact(rank_plans, holdings, seed=world_size * 100 + block_size)
+
+
+def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    step = -(-size // parts) if size else 0
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+def tensor_parallel_holdings(dp: int, tp: int) -> tuple[list, Holdings]:
+    """A dp x tp mesh (rank = d * tp + t) as tensor parallelism and FSDP2 lay out a
+    column-parallel weight (rows cut by tp, then each part by dp), a row-parallel weight
+    (rows by dp, columns by tp) and a weight replicated over tp (rows by dp), and the
+    blocks of one process owned by LPT over all dp * tp ranks."""
+    world_size = dp * tp
+    shapes = {0: (23, 10), 1: (10, 23), 2: (7, 9)}
+    rectangles: dict[int, list] = {index: [] for index in shapes}
+    for rank in range(world_size):
+        d, t = divmod(rank, tp)
+        top, bottom = _chunk(23, tp, t)
+        sub = _chunk(bottom - top, dp, d)
+        rectangles[0].append(((top + sub[0], top + sub[1]), (0, 10)))
+        rectangles[1].append((_chunk(10, dp, d), _chunk(23, tp, t)))
+        rectangles[2].append((_chunk(7, dp, d), (0, 9)))
+    holdings = Holdings(world_size, {index: ParameterHoldings(shapes[index], rectangles[index]) for index in shapes})
+    params = [torch.empty(shape, device="meta") for shape in shapes.values()]
+    regions = matrix_regions([MatrixView.of(p.shape) for p in params], 4)
+    tiles = [tile for region in regions for tile in region.single_tiles()]
+    owners = lpt_assign([float(t.block_shape[0] * t.block_shape[1]) for t in tiles], world_size)
+    rank_plans = [stacks_by_placement(owned, params) for owned in split_by_owner(regions, owners, world_size)]
+    return rank_plans, holdings
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 1), (2, 2), (1, 4), (4, 1), (3, 2)])
+def test_rectangles_and_replicas_exchange_exactly(dp, tp):
+    rank_plans, holdings = tensor_parallel_holdings(dp, tp)
+    assert_exchange_is_exact(rank_plans, holdings, seed=dp * 10 + tp)
+    gradients, updates = plan_pieces(rank_plans, holdings)
+    # each element of a block comes from one holder, and goes back to every holder of it
+    assert sum(p.numel for p in gradients) == sum(
+        plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plans in rank_plans for plan in plans
+    )
+    replicas = {index: len(cells.cells[0].holders) for index, cells in holdings.parameters.items()}
+    assert replicas == {0: 1, 1: 1, 2: tp}
+    assert sum(p.numel for p in updates) == sum(p.numel * replicas[p.param_index] for p in gradients)
+    # a gradient is read on its owner whenever the owner holds it (nothing travels)
+    for piece in gradients:
+        cell = next(
+            c
+            for c in holdings.parameters[piece.param_index].cells
+            if c.rows[0] <= piece.rows[0] < c.rows[1] and c.cols[0] <= piece.cols[0] < c.cols[1]
+        )
+        assert piece.holder == (piece.owner if piece.owner in cell.holders else cell.holders[0])
 
 
 @pytest.mark.parametrize("runs", [0, 1, 2, 50])

@@ -33,14 +33,19 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
-class TinyLM(nn.Module):
-    """Embedding tied to the output layer, two blocks in a ModuleList, odd widths."""
+#: The blocks' hidden widths: odd ones, and ones tensor parallelism splits evenly over 2 and 4
+#: ranks (DTensor's column- and row-parallel layers need even splits).
+ODD_HIDDEN, EVEN_HIDDEN = (29, 13), (28, 12)
 
-    def __init__(self) -> None:
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output layer, two blocks in a ModuleList, odd widths by default."""
+
+    def __init__(self, hidden: tuple[int, int] = ODD_HIDDEN) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList([Block(WIDTH, 29), Block(WIDTH, 13)])
+        self.blocks = nn.ModuleList([Block(WIDTH, width) for width in hidden])
         self.out = nn.Linear(WIDTH, VOCAB)
         self.out.weight = self.embed.weight
 
@@ -66,9 +71,9 @@ def adamw_with_schedule(parameters):
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def reference_trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
+def reference_trajectory(steps: int, hidden: tuple[int, int] = ODD_HIDDEN) -> list[dict[str, torch.Tensor]]:
     """Single-process DASH (converted from the same AdamW + StepLR) on the global batches."""
-    model = TinyLM()
+    model = TinyLM(hidden)
     optimizer, scheduler = adamw_with_schedule(model.parameters())
     dash = DASH.from_optimizer(optimizer, **DASH_OPTIONS)
     scheduler.optimizer = dash
@@ -90,9 +95,11 @@ def full(param: torch.Tensor) -> torch.Tensor:
 class LMModule(pl.LightningModule):
     """AdamW + StepLR as a user writes it; checks itself against the reference each step."""
 
+    hidden = ODD_HIDDEN
+
     def __init__(self, reference_path: str, checkpoint_path: str | None = None, shard_itself: bool = False) -> None:
         super().__init__()
-        self.model = TinyLM()
+        self.model = TinyLM(self.hidden)
         self.reference_path = reference_path
         self.checkpoint_path = checkpoint_path
         self.shard_itself = shard_itself
@@ -106,7 +113,12 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens = global_batch(self.trainer.global_step)
-        return lm_loss(self.model, tokens[self.trainer.global_rank :: self.trainer.world_size])
+        rank, size = self.data_parallel_rank()
+        return lm_loss(self.model, tokens[rank::size])
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """This rank's data-parallel index and the number of data-parallel groups."""
+        return self.trainer.global_rank, self.trainer.world_size
 
     def configure_optimizers(self):
         optimizer, scheduler = adamw_with_schedule(self.parameters())
@@ -122,7 +134,7 @@ class LMModule(pl.LightningModule):
         if self.reference is None:
             self.reference = torch.load(self.reference_path)
         step = self.trainer.global_step
-        start = dict(TinyLM().named_parameters())
+        start = dict(TinyLM(self.hidden).named_parameters())
         for name, param in self.model.named_parameters():
             expected = self.reference[step - 1][name]
             assert (full(param) - expected).norm() <= 1e-4 * (expected - start[name].detach()).norm() + 1e-6, name
@@ -131,6 +143,34 @@ class LMModule(pl.LightningModule):
     def on_train_end(self):
         if self.checkpoint_path:
             self.trainer.save_checkpoint(self.checkpoint_path)
+
+
+class TensorParallelLMModule(LMModule):
+    """The same model with its blocks' MLPs tensor-parallel (``up`` column-parallel, ``down``
+    row-parallel) on the ``"tensor_parallel"`` mesh and everything sharded by FSDP2 on the
+    ``"data_parallel"`` mesh, as a user writes ``configure_model``; the norms, the embedding
+    and the tied output layer are sharded by FSDP2 alone (replicated over the tensor-parallel ranks)."""
+
+    hidden = EVEN_HIDDEN
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tensor, data = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            parallelize_module(block, tensor, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        for block in self.model.blocks:
+            fully_shard(block, mesh=data)
+        fully_shard(self.model, mesh=data)
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        data = self.device_mesh["data_parallel"]
+        return data.get_local_rank(), data.size()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        up = self.model.blocks[0].up.weight
+        assert up.device_mesh.shape == tuple(self.device_mesh.shape) and len(up.placements) == 2
+        super().on_train_batch_end(outputs, batch, batch_idx)
 
 
 def trainer(devices: int, steps: int, root: Path, strategy: pl.strategies.Strategy | None = None, **kwargs):

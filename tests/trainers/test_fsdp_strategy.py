@@ -14,7 +14,15 @@ import signal
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers.fsdp_parity import DASH_OPTIONS, LMModule, TinyLM, reference_trajectory, trainer
+from helpers.fsdp_parity import (
+    DASH_OPTIONS,
+    EVEN_HIDDEN,
+    LMModule,
+    TensorParallelLMModule,
+    TinyLM,
+    reference_trajectory,
+    trainer,
+)
 from helpers.lightning_parity import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -33,6 +41,51 @@ def reference_file(tmp_path_factory) -> str:
 @pytest.mark.parametrize("devices", [2, 4])
 def test_unchanged_module_is_sharded_and_matches_single_process_dash(reference_file, tmp_path, devices):
     trainer(devices, 5, tmp_path).fit(LMModule(reference_file))
+
+
+@pytest.fixture(scope="module")
+def even_reference_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tensor_parallel_reference") / "reference.pt"
+    torch.save(reference_trajectory(8, EVEN_HIDDEN), path)
+    return str(path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tensor_parallel_size", [2, 4])
+def test_tensor_parallel_blocks_match_single_process_dash(even_reference_file, tmp_path, tensor_parallel_size):
+    options = {"strategy_options": {"tensor_parallel_size": tensor_parallel_size}}
+    trainer(4, 4, tmp_path, **options).fit(TensorParallelLMModule(even_reference_file))
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_checkpoints_resume_under_other_layouts(even_reference_file, tmp_path):
+    """2 x 2 (data x tensor parallel) -> 4 x 1 -> 1 x 4, each resume on the single-process trajectory."""
+    first, second = tmp_path / "2x2.ckpt", tmp_path / "4x1.ckpt"
+    module = TensorParallelLMModule
+    trainer(4, 4, tmp_path, strategy_options={"tensor_parallel_size": 2}).fit(module(even_reference_file, str(first)))
+    release_process_group()
+    assert first.is_dir()
+    trainer(4, 6, tmp_path, strategy_options={"tensor_parallel_size": 1}).fit(
+        module(even_reference_file, str(second)), ckpt_path=first
+    )
+    release_process_group()
+    trainer(4, 8, tmp_path, strategy_options={"tensor_parallel_size": 4}).fit(
+        module(even_reference_file), ckpt_path=second
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_single_file_resumes_under_ddp(even_reference_file, tmp_path):
+    checkpoint = tmp_path / "2x2.ckpt"
+    options = {"tensor_parallel_size": 2, "save_distributed_checkpoint": False}
+    trainer(4, 4, tmp_path, strategy_options=options).fit(TensorParallelLMModule(even_reference_file, str(checkpoint)))
+    release_process_group()
+    assert checkpoint.is_file()
+    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
+    checked = DDPChecked(even_reference_file)
+    checked.hidden = EVEN_HIDDEN
+    checked.model = TinyLM(EVEN_HIDDEN)
+    trainer(2, 8, tmp_path, strategy=ddp).fit(checked, ckpt_path=checkpoint)
 
 
 @pytest.mark.multiprocess
@@ -75,7 +128,7 @@ class DDPChecked(LMModule):
         if self.reference is None:
             self.reference = torch.load(self.reference_path)
         step = self.trainer.global_step
-        start = dict(TinyLM().named_parameters())
+        start = dict(TinyLM(self.hidden).named_parameters())
         for name, param in self.model.named_parameters():
             expected = self.reference[step - 1][name]
             assert (param.detach() - expected).norm() <= 1e-4 * (expected - start[name].detach()).norm() + 1e-6, name

@@ -1,0 +1,135 @@
+"""DASH over two-dimensional meshes in real gloo processes, without a trainer: tensor
+parallelism under FSDP2, and HSDP (FSDP2 replicated over groups).
+
+The expectation is float64 single-process DASH on the same global batches; each rank
+asserts inside itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.spawning import spawn
+from test_sharded_training import OPTIONS, block_state_bytes
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from lightning_dash import DASH
+from lightning_dash.distributed import ShardedDistributor
+
+BATCH = 8
+
+
+class MLP(nn.Module):
+    """A tensor-parallel MLP block: a norm, a column-parallel and a row-parallel layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(12)
+        self.up = nn.Linear(12, 20)
+        self.down = nn.Linear(20, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+SEQUENCE = 6
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(BATCH, SEQUENCE, 12, generator=generator, dtype=torch.float64) for _ in range(steps)]
+
+
+def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) ** 2).mean()
+
+
+def all_state_bytes(optimizer: DASH, world_size: int) -> list[int]:
+    held = torch.tensor([optimizer.state_bytes()], dtype=torch.float64)
+    every = [torch.zeros_like(held) for _ in range(world_size)]
+    dist.all_gather(every, held)
+    return [int(t.item()) for t in every]
+
+
+def check_against_one_process(model: nn.Module, local_batch, world_size: int) -> None:
+    """Six steps of ``model`` (already parallelised; ``local_batch`` gives this rank's part
+    of a global batch and the factor its loss is divided by) against one float64 process,
+    the blocks' state split across the ranks."""
+    reference = MLP().double()
+    single = DASH(reference.parameters(), **OPTIONS)
+    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    for x in batches(6):
+        single.zero_grad()
+        loss(reference, x).backward()
+        single.step()
+        optimizer.zero_grad()
+        part, divisor = local_batch(x)
+        (loss(model, part) / divisor).backward()
+        optimizer.step()
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, name
+        torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9, msg=name)
+    # Blocks are owned over the whole mesh, each by one rank; the one-dimensional buffers
+    # are held like their parameters (replicas included).
+    every = all_state_bytes(optimizer, world_size)
+    vectors = sum(2 * 8 * p.numel() for p in reference.parameters() if p.dim() == 1)
+    assert max(every) <= 1.1 * single.state_bytes() / world_size + block_state_bytes(8, 8, 8) + vectors
+
+
+def check_tensor_parallel(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = MLP().double()
+    # Sequence parallelism: the norm and the residual see this rank's part of the sequence;
+    # the column-parallel layer gathers it, the row-parallel one scatters its output.
+    parallelize_module(
+        model,
+        mesh["tensor_parallel"],
+        {"norm": SequenceParallel(), "up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Shard(1))},
+    )
+    fully_shard(model, mesh=mesh["data_parallel"])
+    data, tensor = mesh["data_parallel"].get_local_rank(), mesh["tensor_parallel"].get_local_rank()
+
+    def local_batch(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # The tensor-parallel ranks' sequence parts sum their losses' gradients: divide by 2.
+        return x.chunk(2)[data].chunk(2, dim=1)[tensor], 2
+
+    check_against_one_process(model, local_batch, world_size)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_under_fsdp2_equals_one_process(tmp_path):
+    spawn(check_tensor_parallel, 4, tmp_path)
+
+
+def check_hsdp(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = MLP().double()
+    fully_shard(model, mesh=mesh)
+    assert model.up.weight.placements[0].is_replicate()
+    check_against_one_process(model, lambda x: (x.chunk(world_size)[rank], 1), world_size)
+
+
+@pytest.mark.multiprocess
+def test_hsdp_replicas_agree_and_equal_one_process(tmp_path):
+    spawn(check_hsdp, 4, tmp_path)
+
+
+def check_partial_is_refused(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    layer = nn.Linear(4, 4, bias=False)
+    layer.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh, [Partial()]))
+    optimizer = DASH(layer.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    layer.weight.grad = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"is placed as \(Partial\(sum\),\) on a mesh of shape \(2,\)"):
+        optimizer.step()
+
+
+@pytest.mark.multiprocess
+def test_a_partial_parameter_is_named_with_its_placements(tmp_path):
+    spawn(check_partial_is_refused, 2, tmp_path)

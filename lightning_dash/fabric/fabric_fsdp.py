@@ -37,6 +37,7 @@ from lightning_dash.integration.checkpoint_files import (
     staged_write,
 )
 from lightning_dash.integration.fsdp_sharding import (
+    check_data_parallel_sharding,
     is_sharded,
     setup_sharded_environment,
     shard_model,
@@ -72,6 +73,8 @@ class ParallelizeForDash:
     def __call__(self, module: Module, device_mesh: DeviceMesh) -> Module:
         if self.parallelize_fn is not None:
             module = self.parallelize_fn(module, device_mesh)
+        if isinstance(module, Module):
+            check_data_parallel_sharding(module, device_mesh)
         if isinstance(module, Module) and not is_sharded(module):
             shard_model(module, device_mesh["data_parallel"], self.shard_modules)
         return module

@@ -140,3 +140,28 @@ def setup_sharded_environment(strategy: Any, setup_environment: Callable[[], Non
         strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes // tensor
     setup_environment()
     settle_gloo_workers_at_exit()
+
+
+def check_data_parallel_sharding(module: nn.Module, mesh: DeviceMesh) -> None:
+    """With tensor parallelism, refuse a model whose ``configure_model`` (or Fabric's
+    ``parallelize_fn``) left it unsharded, or left a parameter outside the data-parallel
+    mesh while there are several data-parallel groups (its gradient would not be averaged
+    over them), naming the parameter."""
+    if mesh["tensor_parallel"].size() == 1:
+        return
+    if not is_sharded(module):
+        raise ValueError(
+            f"tensor_parallel_size={mesh['tensor_parallel'].size()}: apply tensor parallelism in configure_model "
+            "(or Fabric's parallelize_fn) with parallelize_module on device_mesh['tensor_parallel'], then "
+            "fully_shard on device_mesh['data_parallel']; an unchanged module is sharded by data parallelism only"
+        )
+    if mesh["data_parallel"].size() == 1:
+        return
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor) or "data_parallel" not in (param.device_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"{name} is not sharded over device_mesh['data_parallel'] (placements "
+                f"{getattr(param, 'placements', 'none: a plain tensor')}): call fully_shard(..., "
+                "mesh=device_mesh['data_parallel']) after parallelize_module, so that its gradient is averaged "
+                "over the data-parallel groups"
+            )

@@ -29,6 +29,7 @@ from lightning_dash.integration.checkpoint_files import (
     staged_write,
 )
 from lightning_dash.integration.fsdp_sharding import (
+    check_data_parallel_sharding,
     is_sharded,
     setup_sharded_environment,
     shard_module,
@@ -133,6 +134,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        check_data_parallel_sharding(self.model, self.device_mesh)
         if not is_sharded(self.model):
             shard_module(self.model, self.device_mesh["data_parallel"], self.shard_modules)
         _materialize_distributed_module(self.model, self.root_device)

@@ -145,6 +145,21 @@ class LMModule(pl.LightningModule):
             self.trainer.save_checkpoint(self.checkpoint_path)
 
 
+def apply_tensor_parallel(model: TinyLM, mesh) -> TinyLM:
+    """The blocks' MLPs tensor-parallel (``up`` column-parallel, ``down`` row-parallel) on
+    ``mesh["tensor_parallel"]``, then everything sharded by FSDP2 on ``mesh["data_parallel"]``,
+    as a user writes ``configure_model`` (or Fabric's ``parallelize_fn``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tensor, data = mesh["tensor_parallel"], mesh["data_parallel"]
+    for block in model.blocks:
+        parallelize_module(block, tensor, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for block in model.blocks:
+        fully_shard(block, mesh=data)
+    fully_shard(model, mesh=data)
+    return model
+
+
 class TensorParallelLMModule(LMModule):
     """The same model with its blocks' MLPs tensor-parallel (``up`` column-parallel, ``down``
     row-parallel) on the ``"tensor_parallel"`` mesh and everything sharded by FSDP2 on the
@@ -154,14 +169,7 @@ class TensorParallelLMModule(LMModule):
     hidden = EVEN_HIDDEN
 
     def configure_model(self) -> None:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        tensor, data = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            parallelize_module(block, tensor, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        for block in self.model.blocks:
-            fully_shard(block, mesh=data)
-        fully_shard(self.model, mesh=data)
+        apply_tensor_parallel(self.model, self.device_mesh)
 
     def data_parallel_rank(self) -> tuple[int, int]:
         data = self.device_mesh["data_parallel"]

@@ -18,8 +18,11 @@ import pytest
 import torch
 from helpers.fsdp_parity import (
     DASH_OPTIONS,
+    EVEN_HIDDEN,
+    ODD_HIDDEN,
     TinyLM,
     adamw_with_schedule,
+    apply_tensor_parallel,
     full,
     global_batch,
     lm_loss,
@@ -62,14 +65,16 @@ def train(
     save_at: int | None = None,
     pass_scheduler: bool = True,
     setup_first: bool = False,
+    hidden: tuple[int, int] = ODD_HIDDEN,
 ) -> dict[str, object]:
     """Train with the user's AdamW + StepLR up to ``steps`` (from a checkpoint's step after ``load``),
     checked against ``reference`` after every step; save after step ``save_at`` to ``save``.
 
     ``setup_first``: set up the model, then create the optimizer and set it up (the FSDP way of Fabric's
     docs); else create both first, then ``fabric.setup(model, optimizer)``, with the scheduler
-    (``pass_scheduler``) or not."""
-    net = TinyLM()
+    (``pass_scheduler``) or not. ``hidden``: the blocks' widths. Each data-parallel group
+    (every rank, without tensor parallelism) trains on its rows of the global batch."""
+    net = TinyLM(hidden)
     if setup_first:
         model = fabric.setup_module(net)
         optimizer, scheduler = adamw_with_schedule(net.parameters())
@@ -87,11 +92,13 @@ def train(
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if load is not None:
         fabric.load(load, state)
-    start = dict(TinyLM().named_parameters())
+    start = dict(TinyLM(hidden).named_parameters())
+    mesh = getattr(fabric.strategy, "device_mesh", None)
+    rank, size = (fabric.global_rank, fabric.world_size) if mesh is None else data_parallel_rank(mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(state["step"], steps):
-            tokens = global_batch(step)[fabric.global_rank :: fabric.world_size]
+            tokens = global_batch(step)[rank::size]
             fabric.backward(lm_loss(model, tokens))
             optimizer.step()
             optimizer.zero_grad()
@@ -108,7 +115,13 @@ def train(
     return {
         "strategy": type(fabric.strategy).__module__,
         "dtensors": all(isinstance(p, DTensor) for p in net.parameters()),
+        "mesh_dims": max(p.device_mesh.ndim if isinstance(p, DTensor) else 0 for p in net.parameters()),
     }
+
+
+def data_parallel_rank(mesh) -> tuple[int, int]:
+    data = mesh["data_parallel"]
+    return data.get_local_rank(), data.size()
 
 
 # Registration and options
@@ -149,8 +162,6 @@ def test_options_are_checked_when_the_strategy_is_built():
         DashFabricStrategy(auto_wrap_policy={nn.Linear})
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['blok_size'\]"):
         DashFabricStrategy(blok_size=8)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        DashFabricFSDPStrategy(tensor_parallel_size=2)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['find_unused_parameters'\]"):
         DashFabricFSDPStrategy(find_unused_parameters=True)
 
@@ -179,6 +190,16 @@ def test_fsdp_matches_single_process_dash_and_resumes_at_one_and_two_processes_a
     for devices in (1, 2):
         launch(fsdp(**DASH_OPTIONS), devices, train, reference, 5, load=folder, pass_scheduler=False)
     launch(ddp(**DASH_OPTIONS), 2, train, reference, 5, load=folder)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_matches_single_process_dash_and_resumes_without_it(tmp_path):
+    reference = reference_trajectory(6, EVEN_HIDDEN)
+    folder = tmp_path / "tensor_parallel"
+    strategy = fsdp(parallelize_fn=apply_tensor_parallel, tensor_parallel_size=2, **DASH_OPTIONS)
+    result = launch(strategy, 4, train, reference, 4, save=folder, save_at=2, hidden=EVEN_HIDDEN)
+    assert result["dtensors"] and result["mesh_dims"] == 2
+    launch(fsdp(**DASH_OPTIONS), 2, train, reference, 5, load=folder, hidden=EVEN_HIDDEN)
 
 
 @pytest.mark.multiprocess

@@ -57,6 +57,24 @@ def test_tensor_parallel_blocks_match_single_process_dash(even_reference_file, t
     trainer(4, 4, tmp_path, **options).fit(TensorParallelLMModule(even_reference_file))
 
 
+class TensorParallelOnly(TensorParallelLMModule):
+    """Tensor parallelism without FSDP2 over the data-parallel mesh: gradients would not be averaged."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        for block in self.model.blocks:
+            parallelize_module(block, self.device_mesh["tensor_parallel"], {"up": ColwiseParallel()})
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallelism_without_data_parallel_sharding_is_named(even_reference_file, tmp_path):
+    tensor_parallel = trainer(4, 1, tmp_path, strategy_options={"tensor_parallel_size": 2})
+    # (raised in the spawned ranks: the launcher re-raises it with the rank's message)
+    with pytest.raises(Exception, match=r"model.embed.weight is not sharded over device_mesh\['data_parallel'\]"):
+        tensor_parallel.fit(TensorParallelOnly(even_reference_file))
+
+
 @pytest.mark.multiprocess
 def test_tensor_parallel_checkpoints_resume_under_other_layouts(even_reference_file, tmp_path):
     """2 x 2 (data x tensor parallel) -> 4 x 1 -> 1 x 4, each resume on the single-process trajectory."""

@@ -1,14 +1,15 @@
-"""A :class:`~lightning_dash.optim.distributor.BlockDistributor` for parameters FSDP2 shards by rows.
+"""A :class:`~lightning_dash.optim.distributor.BlockDistributor` for parameters FSDP2 and tensor parallelism shard.
 
-Each rank holds a row shard of every parameter and, after FSDP2's reduce-scatter, the
-same rows of its gradient. Blocks are cut from the whole parameters (as in one
-process) and owned by ranks as under DDP (greedy LPT over the FLOP cost model). Each
-step, one ``all_to_all`` carries the gradient rows of every block to its owner, the
-owner updates its statistics and computes the block's update, and a second
-``all_to_all`` carries the update rows back to the ranks that hold them
-(:mod:`.row_exchange`). No rank materialises a whole parameter. One-dimensional
-parameters are updated elementwise on each rank's own shard.
-"""
+Each rank holds a rectangle of every parameter (a row shard under FSDP2; rows, or rows and
+columns, under tensor parallelism; the same rectangle on several ranks where a mesh
+dimension replicates) and, after FSDP2's reduce-scatter, the same part of its gradient.
+Blocks are cut from the whole parameters (as in one process) and owned by ranks as under
+DDP (greedy LPT over the FLOP cost model), over the whole mesh. Each step, one
+``all_to_all`` carries the gradient pieces of every block to its owner, the owner updates
+its statistics and computes the block's update, and a second ``all_to_all`` carries the
+update pieces back to every rank that holds them (:mod:`.row_exchange`). No rank
+materialises a whole parameter. One-dimensional parameters are updated elementwise on each
+rank's own shard."""
 
 from __future__ import annotations
 

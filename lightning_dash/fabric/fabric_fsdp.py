@@ -124,8 +124,9 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
             every ``nn.ModuleList``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
         **kwargs: passed on to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
-            ``process_group_backend``, ``timeout``); ``data_parallel_size`` defaults to the world
-            size and ``tensor_parallel_size`` can only be 1.
+            ``process_group_backend``, ``timeout``); ``tensor_parallel_size`` (default 1) needs a
+            ``parallelize_fn`` that applies tensor parallelism, and ``data_parallel_size`` defaults
+            to the rest of the world size.
     """
 
     @accepts_dash_options

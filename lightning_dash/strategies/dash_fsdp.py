@@ -89,7 +89,10 @@ class DashFSDPStrategy(ModelParallelStrategy):
             (default: the children of every ``nn.ModuleList``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
         **kwargs: passed on to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
-            (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ...).
+            (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ...);
+            ``tensor_parallel_size`` (default 1) needs a ``configure_model`` that applies tensor
+            parallelism on ``device_mesh["tensor_parallel"]`` and ``fully_shard`` on
+            ``device_mesh["data_parallel"]`` (docs/strategies.md).
     """
 
     strategy_name = "dash_fsdp"

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor
+from lightning_dash.integration.fsdp_sharding import check_data_parallel_sharding
 
 BATCH = 8
 
@@ -84,6 +85,14 @@ def check_against_one_process(model: nn.Module, local_batch, world_size: int) ->
 
 def check_tensor_parallel(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    # What the strategies refuse: a module left unsharded, and tensor parallelism without
+    # FSDP2 over the data-parallel groups (the norm's gradient would not be averaged).
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: apply tensor parallelism in configure_model"):
+        check_data_parallel_sharding(MLP(), mesh)
+    unsynchronised = MLP()
+    parallelize_module(unsynchronised, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    with pytest.raises(ValueError, match=r"norm.weight is not sharded over device_mesh\['data_parallel'\]"):
+        check_data_parallel_sharding(unsynchronised, mesh)
     model = MLP().double()
     # Sequence parallelism: the norm and the residual see this rank's part of the sequence;
     # the column-parallel layer gathers it, the row-parallel one scatters its output.

@@ -27,10 +27,15 @@ counts from it, per rank:
   embeddings, final norm and LM head stay in the root they are gathered only once:
   ``fsdp_root_once_bytes_per_step`` is that variant.
 
-Results go to ``benchmarks/results/fsdp_qwen3_8b_estimate.json``. Run from the repository root::
+Results go to ``benchmarks/results/fsdp_qwen3_8b_estimate.json``. With ``--meshes``
+(data-parallel x tensor-parallel sizes) it plans tensor parallelism instead, for Qwen3-8B
+and a 70B-class model (Llama-3-70B's widths in Qwen3's layout), with
+:mod:`_tensor_parallel_plan`, into ``fsdp_tensor_parallel_estimate.json``. Run from the
+repository root::
 
     .venv/bin/python benchmarks/fsdp_estimate.py
     .venv/bin/python benchmarks/fsdp_estimate.py --world-sizes 64 --block-size 512
+    .venv/bin/python benchmarks/fsdp_estimate.py --meshes 32x8 128x8
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _records import column_cells, record_type
+from _tensor_parallel_plan import tensor_parallel_plan
 from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
@@ -64,6 +70,7 @@ from lightning_dash.optim.stacks.blocks import MatrixView
 from lightning_dash.optim.stacks.layout import matrix_regions
 
 RESULTS_PATH = RESULTS_DIR / "fsdp_qwen3_8b_estimate.json"
+TENSOR_PARALLEL_PATH = RESULTS_DIR / "fsdp_tensor_parallel_estimate.json"
 FLOAT32 = 4
 #: ``DASH.state_bytes()`` per block beyond the float32 statistics: root_valid (bool),
 #: root_failures (int32), factor_scale (float64).
@@ -90,6 +97,17 @@ Qwen3Config = record_type(
     """,
 )
 QWEN3_8B = Qwen3Config()
+#: A 70B-class shape list: Llama-3-70B's widths (hidden 8192, MLP 28672, 80 layers, 64 query
+#: and 8 key/value heads, vocabulary 128256) in Qwen3's layout (with its q/k norms).
+CLASS_70B = Qwen3Config(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+)
 
 
 def qwen3_parameters(config: Qwen3Config = QWEN3_8B) -> list[tuple[str, tuple[int, ...]]]:
@@ -308,12 +326,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--block-size", type=int, default=DashConfig().block_size)
-    parser.add_argument("--out", type=Path, default=RESULTS_PATH)
+    parser.add_argument("--meshes", nargs="+", help="data-parallel x tensor-parallel sizes, e.g. 32x8")
+    parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
+
+
+TENSOR_PARALLEL_TABLE = """
+    model                        {model}
+    mesh (DP x TP)               {data_parallel}x{tensor_parallel}
+    blocks                       {blocks}
+    balance                      {ownership_balance:.3f}
+    DASH state max/mean GiB      {dash_state_bytes_max/GiB:.3f} / {dash_state_bytes_mean/GiB:.3f}
+    AdamW state max GiB          {adamw_state_bytes_max/GiB:.3f}
+    gathered grads max GiB       {gathered_bytes_max/GiB:.3f}
+    DASH sent max/mean GiB/step  {dash_bytes_sent_per_step_max/GiB:.3f} / {dash_bytes_sent_per_step_mean/GiB:.3f}
+    FSDP2 sent GiB/step          {fsdp_bytes_per_step/GiB:.3f}
+    plan s                       {plan_s:.1f}
+"""
+
+
+def tensor_parallel_main(args: argparse.Namespace) -> dict:
+    records = []
+    for model, config in (("Qwen3-8B", QWEN3_8B), ("70B-class", CLASS_70B)):
+        for mesh in args.meshes:
+            dp, tp = (int(size) for size in mesh.lower().split("x"))
+            record = tensor_parallel_plan(qwen3_parameters(config), dp, tp, args.block_size)
+            records.append({"model": model, **record})
+            print(format_columns(*column_cells(TENSOR_PARALLEL_TABLE, records[-1:])), flush=True)
+    report = {
+        "styles": "column-parallel q/k/v/gate/up, embedding and head (rows over TP, then DP); row-parallel o/down "
+        "(rows over DP, columns over TP); norms replicated over TP, rows over DP",
+        "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
+        "gathered": "gradient elements of the blocks a rank owns, float32: what its exchange receives at once",
+        "fsdp_assumption": "FSDP2 over the DP ranks of each TP index; " + FSDP_ASSUMPTION,
+        "records": records,
+    }
+    print(f"\nwrote {write_json(args.out or TENSOR_PARALLEL_PATH, report)}")
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.meshes:
+        return tensor_parallel_main(args)
     records = []
     for world_size in args.world_sizes:
         start = time.perf_counter()
@@ -331,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fsdp_assumption": FSDP_ASSUMPTION,
         "records": records,
     }
-    print(f"\nwrote {write_json(args.out, report)}")
+    print(f"\nwrote {write_json(args.out or RESULTS_PATH, report)}")
     return report
 
 

@@ -444,20 +444,25 @@ def test_fsdp_smoke_run_matches_its_plan(tmp_path):
     assert record["adamw_step_ms"] > 0 and record["dash_step_ms"] > 0 and record["ownership_balance"] >= 1.0
 
 
-def test_fsdp_estimate_of_a_small_qwen3(tmp_path):
-    """Shapes only: every block's state is on exactly one rank, whatever the world size,
-    and one rank sends nothing."""
-    import fsdp_estimate as est
-
-    config = est.Qwen3Config(
+def small_qwen3(est, layers: int = 2):
+    """Qwen3's layout at widths a test plans in milliseconds."""
+    return est.Qwen3Config(
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         vocab_size=203,
     )
+
+
+def test_fsdp_estimate_of_a_small_qwen3(tmp_path):
+    """Shapes only: every block's state is on exactly one rank, whatever the world size,
+    and one rank sends nothing."""
+    import fsdp_estimate as est
+
+    config = small_qwen3(est)
     names = [name for name, _ in est.qwen3_parameters(config)]
     assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
     assert len(names) == 3 + 11 * 2
@@ -478,3 +483,38 @@ def test_fsdp_estimate_of_a_small_qwen3(tmp_path):
         assert 0 < record["dash_bytes_sent_per_step_mean"] < record["fsdp_bytes_per_step"]
     report = est.main(["--world-sizes", "2", "--block-size", "1024", "--out", str(tmp_path / "e.json")])
     assert report["records"][0]["parameters"] == 8_190_735_360
+
+
+def test_tensor_parallel_estimate_of_a_small_qwen3():
+    """Shapes only, on data-parallel x tensor-parallel meshes: every block is owned once, the
+    norms' buffers are held once per tensor-parallel rank, and one rank sends nothing."""
+    import fsdp_estimate as est
+    from _tensor_parallel_plan import tensor_parallel_plan
+
+    config = small_qwen3(est)
+    named = est.qwen3_parameters(config)
+    single = tensor_parallel_plan(named, 1, 1, block_size=32)
+    assert single["dash_bytes_sent_per_step_max"] == 0 and single["fsdp_bytes_per_step"] == 0
+    vector_elements = sum(shape[0] for _, shape in named if len(shape) == 1)
+    for dp, tp in [(2, 2), (1, 4), (4, 1), (3, 2)]:
+        plan = tensor_parallel_plan(named, dp, tp, block_size=32)
+        total = plan["dash_state_bytes_mean"] * plan["world_size"]
+        assert total == single["dash_state_bytes_mean"] + 8 * (tp - 1) * vector_elements
+        assert plan["blocks"] == single["blocks"] and plan["state_bound_holds"]
+        assert 0 < plan["dash_bytes_sent_per_step_max"] and (plan["fsdp_bytes_per_step"] > 0) == (dp > 1)
+
+
+def test_the_tensor_parallel_estimate_counts_what_each_rank_exchange_sends():
+    """The per-rank bytes the estimate adds up from all pieces equal each rank's own exchange's."""
+    import fsdp_estimate as est
+    from _tensor_parallel_plan import mesh_plan, tensor_parallel_plan
+
+    from lightning_dash.distributed.row_exchange import exchange_for
+
+    config = small_qwen3(est, layers=1)
+    named = est.qwen3_parameters(config)
+    estimate = tensor_parallel_plan(named, 2, 2, block_size=32)
+    plan = mesh_plan(named, 2, 2, block_size=32)
+    sent = [4 * exchange_for(plan.gradients, plan.updates, rank, plan.holdings).elements_sent() for rank in range(4)]
+    assert estimate["dash_bytes_sent_per_step_max"] == max(sent) > 0
+    assert estimate["dash_bytes_sent_per_step_mean"] == sum(sent) / 4

@@ -55,7 +55,7 @@ def _placement_ok(placement: Placement, matrix: bool) -> bool:
     return isinstance(placement, Replicate)
 
 
-def check_row_sharded(params: list[Tensor], names: list[str] | None, world_size: int) -> None:
+def check_sharded_placements(params: list[Tensor], names: list[str] | None) -> None:
     """Refuse parameters that are not DTensors cut into rectangles (FSDP2's rows, and
     tensor parallelism's rows or columns of a matrix, possibly replicated), naming the
     first one."""
@@ -204,7 +204,7 @@ class ShardedDistributor(ProcessGroupDistributor):
         )
 
     def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
-        check_row_sharded(params, None, self.world_size)
+        check_sharded_placements(params, None)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
         holdings = sharded_holdings(regions, params, None, self.process_group)
         owners = self.assign_owners(

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -20,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed.sharded import check_row_sharded
+from lightning_dash.distributed.sharded import check_sharded_placements
 from lightning_dash.fabric.optimizers import (
     FabricDashOptimizers,
     LoadTarget,
@@ -180,7 +179,7 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         named = next((module for _, module in reversed(self._set_up) if name_parameters(optimizer, module)), None)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = param_names(optimizer.param_groups) if named is not None else None
-        check_row_sharded(params, names, dist.get_world_size() if dist.is_initialized() else 1)
+        check_sharded_placements(params, names)
         return convert(self.conversion, optimizer, sharded_parameters=True, modules=self.trained_modules)
 
     @override

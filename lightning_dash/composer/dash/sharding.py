@@ -12,7 +12,7 @@ from __future__ import annotations
 from composer.core import State
 from torch.distributed.tensor import DTensor
 
-from lightning_dash.distributed.sharded import check_row_sharded
+from lightning_dash.distributed.sharded import check_sharded_placements
 from lightning_dash.optim import DASH
 from lightning_dash.optim.stacks import param_names
 
@@ -47,4 +47,4 @@ def check_composer_sharding(dash: DASH) -> None:
                 "module of the ComposerModel, so a parameter the ComposerModel holds directly stays "
                 "whole: move it into a child module"
             )
-    check_row_sharded(params, names, dash.distributor.world_size)
+    check_sharded_placements(params, names)

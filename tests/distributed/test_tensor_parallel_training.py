@@ -109,10 +109,14 @@ def check_tensor_parallel(rank: int, world_size: int) -> None:
         return x.chunk(2)[data].chunk(2, dim=1)[tensor], 2
 
     check_against_one_process(model, local_batch, world_size)
+    check_hsdp(rank, world_size)
+    check_partial_is_refused(rank, world_size)
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_under_fsdp2_equals_one_process(tmp_path):
+def test_tensor_parallel_and_hsdp_equal_one_process_and_partial_is_refused(tmp_path):
+    """One set of 4 processes: tensor parallelism with sequence parallelism under FSDP2, then
+    HSDP, then a Partial parameter, named with its placements."""
     spawn(check_tensor_parallel, 4, tmp_path)
 
 
@@ -124,21 +128,11 @@ def check_hsdp(rank: int, world_size: int) -> None:
     check_against_one_process(model, lambda x: (x.chunk(world_size)[rank], 1), world_size)
 
 
-@pytest.mark.multiprocess
-def test_hsdp_replicas_agree_and_equal_one_process(tmp_path):
-    spawn(check_hsdp, 4, tmp_path)
-
-
 def check_partial_is_refused(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     layer = nn.Linear(4, 4, bias=False)
     layer.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh, [Partial()]))
     optimizer = DASH(layer.parameters(), distributor=ShardedDistributor(), **OPTIONS)
     layer.weight.grad = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
-    with pytest.raises(ValueError, match=r"is placed as \(Partial\(sum\),\) on a mesh of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"is placed as \(Partial\(sum\),\) on a mesh of shape \(4,\)"):
         optimizer.step()
-
-
-@pytest.mark.multiprocess
-def test_a_partial_parameter_is_named_with_its_placements(tmp_path):
-    spawn(check_partial_is_refused, 2, tmp_path)

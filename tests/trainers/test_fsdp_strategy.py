@@ -51,21 +51,15 @@ def even_reference_file(tmp_path_factory) -> str:
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_blocks_match_single_process_dash(even_reference_file, tmp_path):
-    """2 x 2 (data x tensor parallel); the 1 x 4 mesh is checked in the resumes below."""
-    module = TensorParallelLMModule(even_reference_file)
-    trainer(4, 4, tmp_path, strategy_options={"tensor_parallel_size": 2}).fit(module)
-
-
-@pytest.mark.multiprocess
-def test_tensor_parallel_checkpoints_resume_under_other_layouts(even_reference_file, tmp_path):
-    """2 x 2 (data x tensor parallel) -> 4 x 1 -> 1 x 4, each resume on the single-process trajectory."""
-    first, second = tmp_path / "2x2.ckpt", tmp_path / "4x1.ckpt"
+def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(even_reference_file, tmp_path):
+    """2 x 2 (data x tensor parallel) from scratch, then from its checkpoint in one process
+    (1 x 1), then from that one's on a 1 x 4 mesh: every step on the single-process trajectory."""
+    first, second = tmp_path / "2x2.ckpt", tmp_path / "1x1.ckpt"
     module = TensorParallelLMModule
     trainer(4, 4, tmp_path, strategy_options={"tensor_parallel_size": 2}).fit(module(even_reference_file, str(first)))
     release_process_group()
     assert first.is_dir()
-    trainer(4, 6, tmp_path, strategy_options={"tensor_parallel_size": 1}).fit(
+    trainer(1, 6, tmp_path, strategy_options={"tensor_parallel_size": 1}).fit(
         module(even_reference_file, str(second)), ckpt_path=first
     )
     release_process_group()

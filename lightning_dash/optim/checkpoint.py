@@ -283,7 +283,7 @@ class Checkpointer:
         flat = self._flat_params()
         entries = self._local_state(tiles=True)
         for position, entry in entries.items():
-            for name in (MOMENTUM, GRAFTING_RMS):
+            for name in VECTOR_BUFFERS:
                 if name in entry:
                     entry[name] = self.keeper.distributor.shard_like(flat[position], entry[name])
         return self._named(self._packed(entries))

@@ -33,6 +33,8 @@ class DashMonitor(Callback):
     - ``dash/root_failures``, ``dash/nonfinite_grad_skips``, ``dash/nonfinite_update_skips``,
       ``dash/ownership_balance``, ``dash/state_bytes``, and ``dash/root_residual`` when the
       step's roots have one;
+    - ``dash/micro_groups`` and ``dash/peak_gathered_bytes`` under ``"dash_fsdp"``: the
+      micro-groups a step exchanges blocks in and the most bytes of whole blocks held at once;
     - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms`` with
       ``async_preconditioning``;
     - ``dash/grad_sync_bytes_sent_per_step`` and ``..._received_per_step``: the mean traffic

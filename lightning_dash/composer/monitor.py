@@ -26,6 +26,7 @@ class DashComposerMonitor(Callback):
     Every ``logging_interval`` batches it logs :func:`~lightning_dash.integration.dash_metrics`
     (``dash/optimizer_step_ms``, ``dash/root_failures``, ``dash/nonfinite_grad_skips``,
     ``dash/nonfinite_update_skips``, ``dash/ownership_balance``, ``dash/state_bytes``,
+    ``dash/micro_groups`` and ``dash/peak_gathered_bytes`` under FSDP2,
     ``dash/root_residual`` when the step's roots have one, the ``dash/async_*`` counters with
     ``async_preconditioning``). ``dash/optimizer_step_ms`` is the wall time from
     ``Event.AFTER_TRAIN_BATCH`` (the gradients are complete) to ``Event.BATCH_END``: the

@@ -23,9 +23,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span
+from lightning_dash.distributed.micro_groups import (
+    assign_micro_groups,
+    capacity_bytes,
+    check_micro_group_mib,
+    peak_gathered_bytes,
+)
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank
-from lightning_dash.optim.distributor import BlockUpdate, masked
+from lightning_dash.optim.distributor import BlockUpdate, ComputeUpdates, masked
 from lightning_dash.optim.stacks import Region, StackPlan, working_dtype
 
 
@@ -118,48 +124,66 @@ def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dty
 
 
 @dataclass(frozen=True)
+class _Pending:
+    """An ``all_to_all`` in flight and the tensor it fills."""
+
+    received: Tensor
+    work: dist.Work | None
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.received
+
+
+@dataclass(frozen=True)
 class _RankExchange:
-    """This rank's part of the exchange: the plan, its stacks, and the runs of both
-    directions (gradients to the owners, updates back to the holders)."""
+    """This rank's part of one micro-group's exchange: the plan, its stacks (this rank's
+    stacks ``first``, ``first + 1``, ...), and the runs of both directions (gradients to
+    the owners, updates back to the holders)."""
 
     rows: RowExchange
     plans: list[StackPlan]
+    first: int
     gradient_send: Runs
     gradient_receive: Runs
     update_send: Runs
     update_receive: Runs
 
     @classmethod
-    def of(cls, rows: RowExchange, plans: list[StackPlan], device: torch.device) -> _RankExchange:
+    def of(cls, rows: RowExchange, plans: list[StackPlan], first: int, device: torch.device) -> _RankExchange:
         return cls(
             rows,
             plans,
+            first,
             rows.gradient_send_runs().to(device),
             rows.gradient_receive_runs(plans).to(device),
             rows.update_send_runs(plans).to(device),
             rows.update_receive_runs().to(device),
         )
 
+    @property
+    def positions(self) -> list[int]:
+        """Positions of its stacks among this rank's stacks."""
+        return list(range(self.first, self.first + len(self.plans)))
+
 
 class _RowUpdates:
-    """The update rows this rank holds, received from the blocks' owners."""
+    """The update rows this rank holds, received from the blocks' owners and scattered
+    into a flat tensor laid out as its shards end to end (:attr:`RowExchange.held`)."""
 
-    def __init__(self, exchange: RowExchange, positions: Tensor, received: Tensor) -> None:
-        self.exchange = exchange
-        self.positions = positions
-        self.received = received
+    def __init__(self, held: dict[int, tuple[int, int]], flat: Tensor) -> None:
+        self.held = held
+        self.flat = flat
 
     def tensors(self) -> list[Tensor]:
-        return [self.received]
+        return [self.flat]
 
     def apply(self, params: list[Tensor], skip: Tensor) -> None:
-        """Scatter the received rows into this rank's shards end to end, then add them to
-        the parameters with one ``_foreach_add_`` per parameter dtype."""
-        received = masked(self.received, skip)
-        held = self.exchange.held
-        flat = received.new_zeros(self.exchange.held_numel).index_copy_(0, self.positions, received)
+        """Add the rows to the parameters with one ``_foreach_add_`` per parameter dtype."""
+        flat = masked(self.flat, skip)
         by_dtype: dict[torch.dtype, tuple[list[Tensor], list[tuple[int, int]]]] = {}
-        for index, span in held.items():
+        for index, span in self.held.items():
             local = _local(params[index])
             targets, spans = by_dtype.setdefault(local.dtype, ([], []))
             targets.append(local.view(-1))
@@ -167,6 +191,25 @@ class _RowUpdates:
         for dtype, (targets, spans) in by_dtype.items():
             cast = flat.to(dtype)
             torch._foreach_add_(targets, [cast[offset : offset + numel] for offset, numel in spans])
+
+
+def _group_regions(regions: list[Region], owners: list[int], groups: list[int]) -> list[tuple[list[Region], list[int]]]:
+    """Each micro-group's regions and their tiles' owners (tiles in region order); a
+    region whose tiles are all in one micro-group stays whole."""
+    grouped: list[tuple[list[Region], list[int]]] = [([], []) for _ in range(max(groups, default=0) + 1)]
+    position = 0
+    for region in regions:
+        span = range(position, position + region.num_blocks)
+        if len({groups[k] for k in span}) == 1:
+            members, their_owners = grouped[groups[position]]
+            members.append(region)
+            their_owners.extend(owners[k] for k in span)
+        else:
+            for tile, k in zip(region.single_tiles(), span):
+                grouped[groups[k]][0].append(tile)
+                grouped[groups[k]][1].append(owners[k])
+        position += region.num_blocks
+    return grouped
 
 
 class ShardedDistributor(ProcessGroupDistributor):
@@ -178,11 +221,25 @@ class ShardedDistributor(ProcessGroupDistributor):
             equal to a single process's; bfloat16/float16 halve that traffic). Gradient
             rows travel in the statistics' dtype.
         root_iterations: iterations per root, for the cost model.
+        micro_group_mib: memory budget, in MiB per rank, for the whole blocks a step
+            gathers at once (:mod:`.micro_groups`); None: every block in one round (the
+            fewest collectives).
     """
 
     shards_parameters = True
-    #: This rank's part of the exchange for the current layout (planned with the stacks).
-    _exchange: _RankExchange | None = None
+    #: This rank's part of each micro-group's exchange for the current layout (planned with the stacks).
+    _groups: list[_RankExchange] = []
+    _peak_gathered_bytes = 0
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        communication_dtype: torch.dtype = torch.float32,
+        root_iterations: int = 10,
+        micro_group_mib: float | None = None,
+    ) -> None:
+        super().__init__(process_group, communication_dtype, root_iterations)
+        self.micro_group_mib = check_micro_group_mib(micro_group_mib)
 
     # ------------------------------------------------------------------ placement
     def local(self, tensor: Tensor) -> Tensor:
@@ -207,69 +264,108 @@ class ShardedDistributor(ProcessGroupDistributor):
         check_sharded_placements(params, None)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
         holdings = sharded_holdings(regions, params, None, self.process_group)
+        keys = [(t.param_index, t.row_start, t.col_start) for t, _ in tiles]
         owners = self.assign_owners(
-            keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],
+            keys=keys,
             shapes=[t.block_shape for t, _ in tiles],
             frequencies=[frequency for _, frequency in tiles],
             preferred=holder_preferences(regions, holdings),
         )
-        rank_plans, rows = plan_rank(regions, params, owners, holdings, self.rank)
-        plans = rank_plans[self.rank]
-        self._exchange = _RankExchange.of(rows, plans, self._device())
+        sizes = {i: torch.empty(0, dtype=working_dtype(p)).element_size() for i, p in enumerate(params)}
+        footprints = [2 * t.block_shape[0] * t.block_shape[1] * sizes[t.param_index] for t, _ in tiles]
+        capacity = None if self.micro_group_mib is None else capacity_bytes(self.micro_group_mib)
+        groups = assign_micro_groups([self._costs[key] for key in keys], owners, footprints, capacity)
+        self._peak_gathered_bytes = peak_gathered_bytes(groups, owners, footprints, self.rank)
+        plans: list[StackPlan] = []
+        self._groups = []
+        for group_regions, group_owners in _group_regions(regions, owners, groups):
+            rank_plans, rows = plan_rank(group_regions, params, group_owners, holdings, self.rank)
+            self._groups.append(_RankExchange.of(rows, rank_plans[self.rank], len(plans), self._device()))
+            plans += rank_plans[self.rank]
         return plans
 
     @property
     def elements_per_step(self) -> int:
         """Elements this rank sends to others in one step (0 before the first step)."""
-        return 0 if self._exchange is None else self._exchange.rows.elements_sent()
+        return sum(group.rows.elements_sent() for group in self._groups)
+
+    @property
+    def micro_groups(self) -> int:
+        """Micro-groups a step exchanges and computes in turn (0 before the first step)."""
+        return len(self._groups)
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of whole blocks (gradients and their updates) this rank holds at
+        once in a step, as planned (:func:`.micro_groups.peak_gathered_bytes`). The exchange's
+        send and receive buffers of block pieces come on top."""
+        return self._peak_gathered_bytes
 
     # ------------------------------------------------------------------ exchanges
-    def _all_to_all(self, send: Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Tensor:
+    def _start_all_to_all(self, send: Tensor, send_sizes: list[int], receive_sizes: list[int]) -> _Pending:
         received = send.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.process_group)
+        work = dist.all_to_all_single(
+            received, send, receive_sizes, send_sizes, group=self.process_group, async_op=True
+        )
         self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * send.element_size()
-        return received
+        return _Pending(received, work)
 
-    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
-        """Send the gradient rows this rank holds to the blocks' owners; receive its blocks'.
-        One gather before the ``all_to_all`` and one scatter after it, whatever the model."""
-        exchange = self._exchange
-        rows = exchange.rows
+    def exchange_blocks(self, plans: list[StackPlan], params: list[Tensor], compute: ComputeUpdates) -> _RowUpdates:
+        """Gather each micro-group's block gradients on their owners, let ``compute`` turn them
+        into updates, and send those back to the ranks that hold the blocks' pieces; the next
+        micro-group's gradients travel while the current one is computed. One gather before
+        each ``all_to_all`` and one scatter after it, whatever the model."""
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         device = self._device()
-        grads = [_local_gradient(params[index]) for index in rows.held]
-        held = _end_to_end(grads, [numel for _, numel in rows.held.values()], dtype, device)
-        send = held.index_select(0, exchange.gradient_send.positions())
-        received = self._all_to_all(send, rows.gradients_out_sizes, rows.gradients_in_sizes)
-        receive = exchange.gradient_receive
+        held = self._groups[0].rows.held
+        grads = [_local_gradient(params[index]) for index in held]
+        flat_grads = _end_to_end(grads, [numel for _, numel in held.values()], dtype, device)
+        received_updates = torch.zeros(
+            self._groups[0].rows.held_numel, dtype=wire_dtype(self.communication_dtype, dtype), device=device
+        )
+        pending = self._send_gradients(self._groups[0], flat_grads)
+        for number, group in enumerate(self._groups):
+            received = pending.wait()
+            if number + 1 < len(self._groups):
+                pending = self._send_gradients(self._groups[number + 1], flat_grads)
+            stacks = self._gradient_stacks(group, received, params)
+            del received
+            updates = compute(group.positions, stacks)
+            del stacks
+            rows = self._send_updates(group, updates, received_updates.dtype).wait()
+            received_updates.index_copy_(0, group.update_receive.positions(), rows)
+        return _RowUpdates(held, received_updates)
+
+    def _send_gradients(self, group: _RankExchange, flat_grads: Tensor) -> _Pending:
+        send = flat_grads.index_select(0, group.gradient_send.positions())
+        return self._start_all_to_all(send, group.rows.gradients_out_sizes, group.rows.gradients_in_sizes)
+
+    def _gradient_stacks(self, group: _RankExchange, received: Tensor, params: list[Tensor]) -> list[Tensor]:
+        receive = group.gradient_receive
         flat = received.new_empty(receive.total).index_copy_(0, receive.positions(), received)
         stacks, offset = [], 0
-        for plan in plans:
+        for plan in group.plans:
             numel = plan.num_blocks * plan.block_shape[0] * plan.block_shape[1]
             stack = flat[offset : offset + numel].view(plan.num_blocks, *plan.block_shape)
             stacks.append(stack.to(working_dtype(params[plan.regions[0].param_index])))
             offset += numel
         return stacks
 
-    def share_updates(self, updates: list[BlockUpdate]) -> _RowUpdates:
-        """Send each block's update rows to the ranks that hold them; receive this rank's.
-        One gather before the ``all_to_all``; :meth:`_RowUpdates.apply` scatters after it."""
-        exchange = self._exchange
+    def _send_updates(self, group: _RankExchange, updates: list[BlockUpdate], wire: torch.dtype) -> _Pending:
         device = self._device()
         full: dict[int, Tensor] = {}
         for item in updates:
+            stack = item.stack - group.first
             if item.index is None:
-                full[item.stack] = item.update
+                full[stack] = item.update
             else:
-                shape = (exchange.plans[item.stack].num_blocks, *item.plan.block_shape)
-                stack = torch.zeros(shape, dtype=item.update.dtype, device=device)
-                full[item.stack] = stack.index_copy_(0, item.index, item.update)
-        widest = torch.float64 if any(item.update.dtype == torch.float64 for item in updates) else torch.float32
-        sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in exchange.plans]
-        stacks = _end_to_end([full.get(stack) for stack in range(len(exchange.plans))], sizes, widest, device)
-        send = stacks.index_select(0, exchange.update_send.positions()).to(wire_dtype(self.communication_dtype, widest))
-        received = self._all_to_all(send, exchange.rows.updates_out_sizes, exchange.rows.updates_in_sizes)
-        return _RowUpdates(exchange.rows, exchange.update_receive.positions(), received)
+                shape = (group.plans[stack].num_blocks, *item.plan.block_shape)
+                zeros = torch.zeros(shape, dtype=item.update.dtype, device=device)
+                full[stack] = zeros.index_copy_(0, item.index, item.update)
+        sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in group.plans]
+        stacks = _end_to_end([full.get(stack) for stack in range(len(group.plans))], sizes, wire, device)
+        send = stacks.index_select(0, group.update_send.positions())
+        return self._start_all_to_all(send, group.rows.updates_out_sizes, group.rows.updates_in_sizes)
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)

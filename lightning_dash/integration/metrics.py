@@ -30,6 +30,9 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
       the host with the device;
     - ``dash/ownership_balance``: max/mean per-rank block cost (1.0 in one process);
     - ``dash/state_bytes``: the optimizer state this rank holds (:meth:`DASH.state_bytes`);
+    - ``dash/micro_groups``, ``dash/peak_gathered_bytes``, where parameters are sharded: the
+      micro-groups a step exchanges blocks in, and the most bytes of whole blocks this rank
+      holds at once (:class:`~lightning_dash.distributed.ShardedDistributor`);
     - ``dash/async_roots_hidden``, ``dash/async_roots_waited``, ``dash/async_wait_ms``, only
       with ``async_preconditioning``: root launches swapped in without waiting, launches
       waited for, and the time stalled in those waits (cumulative, this rank's);
@@ -46,6 +49,10 @@ def dash_metrics(optimizer: DASH, step_ms: float, comm_stats: CommStats | None =
         "dash/ownership_balance": float(optimizer.ownership_balance),
         "dash/state_bytes": float(optimizer.state_bytes()),
     }
+    peak = getattr(optimizer.distributor, "peak_gathered_bytes", None)
+    if peak is not None:
+        metrics["dash/micro_groups"] = float(optimizer.distributor.micro_groups)
+        metrics["dash/peak_gathered_bytes"] = float(peak)
     residual = optimizer.last_root_residual
     if residual is not None:
         metrics["dash/root_residual"] = float(residual.item())

@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dash.distributed import shard_across_ranks
+from lightning_dash.distributed.micro_groups import check_micro_group_mib
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, check_conversion_options
@@ -54,12 +55,16 @@ class ConversionOptions:
         allow_custom_step: convert a subclass of a supported optimizer that overrides
             ``step`` (its own update rule is then lost; refused by default).
         communication_dtype: dtype of the block updates all-gathered across ranks.
+        micro_group_mib: where parameters are sharded (FSDP2, tensor parallelism), the memory
+            budget per rank, in MiB, for the whole blocks a step gathers at once: blocks are
+            exchanged and computed in micro-groups that fit it (None: all in one round).
     """
 
     overrides: Mapping[str, Any] = field(default_factory=dict)
     factor_decay: float | None = None
     allow_custom_step: bool = False
     communication_dtype: torch.dtype = torch.float32
+    micro_group_mib: float | None = None
 
     def __post_init__(self) -> None:
         check_option_names(self.overrides)
@@ -72,10 +77,12 @@ class ConversionOptions:
         )
         object.__setattr__(self, "factor_decay", None if self.factor_decay is None else decay)
         object.__setattr__(self, "communication_dtype", check_communication_dtype(self.communication_dtype))
+        object.__setattr__(self, "micro_group_mib", check_micro_group_mib(self.micro_group_mib))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Spawned ranks receive the strategy pickled; a mappingproxy does not pickle.
-        return type(self), (dict(self.overrides), self.factor_decay, self.allow_custom_step, self.communication_dtype)
+        fields = (self.factor_decay, self.allow_custom_step, self.communication_dtype, self.micro_group_mib)
+        return type(self), (dict(self.overrides), *fields)
 
     @classmethod
     def build(
@@ -85,6 +92,7 @@ class ConversionOptions:
         factor_decay: float | None = None,
         allow_custom_step: bool | None = None,
         communication_dtype: torch.dtype | str = torch.float32,
+        micro_group_mib: float | None = None,
         **options: Any,
     ) -> ConversionOptions:
         """Resolve a trainer integration's arguments (see the module docstring for the rule).
@@ -98,9 +106,8 @@ class ConversionOptions:
         check_option_names(options)
         given = {name: value for name, value in options.items() if value is not None}
         overrides = {**(config.changed() if config is not None else {}), **given}
-        return cls(
-            overrides, factor_decay, False if allow_custom_step is None else allow_custom_step, communication_dtype
-        )
+        custom = False if allow_custom_step is None else allow_custom_step
+        return cls(overrides, factor_decay, custom, communication_dtype, micro_group_mib)
 
     @classmethod
     def from_init(cls, keywords: dict[str, Any], config: DashConfig | None = None) -> ConversionOptions:
@@ -111,6 +118,14 @@ class ConversionOptions:
         conversion = {name: keywords.pop(name, default) for name, (_, default) in CONVERSION_ARGUMENTS.items()}
         options = {name: keywords.pop(name) for name in list(keywords) if name in OPTION_NAMES}
         return cls.build(config, **conversion, **options)
+
+    def check_sharding(self, sharded_parameters: bool) -> None:
+        """Refuse ``micro_group_mib`` for a front-end whose parameters are whole on every rank."""
+        if self.micro_group_mib is not None and not sharded_parameters:
+            raise ValueError(
+                "micro_group_mib applies where parameters are sharded (strategy 'dash_fsdp', or Composer "
+                "under FSDP2): under DDP every rank holds whole parameters and gathers no blocks"
+            )
 
     def convert(
         self, optimizer: Optimizer, *, sharded_parameters: bool = False, model: nn.Module | None = None
@@ -149,9 +164,12 @@ class ConversionOptions:
             from lightning_dash.distributed.sharded import ShardedDistributor
 
             dash.distributor = ShardedDistributor(
-                communication_dtype=self.communication_dtype, root_iterations=dash.root_settings.iterations or 10
+                communication_dtype=self.communication_dtype,
+                root_iterations=dash.root_settings.iterations or 10,
+                micro_group_mib=self.micro_group_mib,
             )
         else:
+            self.check_sharding(sharded_parameters=False)
             shard_across_ranks(dash, self.communication_dtype)
         return dash
 
@@ -163,6 +181,7 @@ CONVERSION_ARGUMENTS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
         "factor_decay": (float | None, None),
         "allow_custom_step": (bool | None, None),
         "communication_dtype": (torch.dtype | str, torch.float32),
+        "micro_group_mib": (float | None, None),
     }
 )
 

@@ -9,6 +9,7 @@ same order with the same metadata.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +34,10 @@ class BlockUpdate:
     plan: StackPlan
     index: Tensor | None
     update: Tensor
+
+
+#: Turns the gradients of this rank's stacks at the given positions into their updates.
+ComputeUpdates = Callable[[list[int], list[Tensor]], list[BlockUpdate]]
 
 
 class SharedUpdates(Protocol):
@@ -89,13 +94,12 @@ class BlockDistributor(Protocol):
         like ``param``: itself when parameters are whole, else a sharded tensor (not collective)."""
         ...
 
-    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
-        """The gradients of this rank's stacks, one ``(blocks, rows, cols)`` tensor per plan
-        in the stack's state dtype (zero where a parameter has no gradient)."""
-        ...
-
-    def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
-        """Send this rank's block updates to every rank that applies them."""
+    def exchange_blocks(self, plans: list[StackPlan], params: list[Tensor], compute: ComputeUpdates) -> SharedUpdates:
+        """Hand ``compute`` the gradients of this rank's stacks (``plans``), one
+        ``(blocks, rows, cols)`` tensor per stack in its state dtype, zero where a parameter
+        has no gradient, with the stacks' positions in ``plans``; share the updates it returns
+        with every rank that applies them. All stacks at once, or a micro-group at a time
+        where a memory budget asks for it."""
         ...
 
     def reduce_max(self, values: Tensor) -> Tensor:
@@ -157,8 +161,13 @@ class WholeParameters:
     def shard_like(self, param: Tensor, local: Tensor) -> Tensor:
         return local
 
-    def block_gradients(self, plans: list[StackPlan], params: list[Tensor]) -> list[Tensor]:
-        return gather_gradients(plans, params)
+    def exchange_blocks(self, plans: list[StackPlan], params: list[Tensor], compute: ComputeUpdates) -> SharedUpdates:
+        """Every stack at once: the gradients are already here, whole."""
+        return self.share_updates(compute(list(range(len(plans))), gather_gradients(plans, params)))
+
+    def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
+        """Every rank's block updates, from this rank's (collective where blocks have several owners)."""
+        raise NotImplementedError
 
     def reduce_max(self, values: Tensor) -> Tensor:
         return values

@@ -85,6 +85,9 @@ class DashFSDPStrategy(ModelParallelStrategy):
         factor_decay: ``betas[1]`` of DASH.
         allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
         communication_dtype: dtype of the update rows sent back to the ranks holding them.
+        micro_group_mib: memory budget per rank, in MiB, for the whole blocks a step gathers
+            at once; the blocks are exchanged and computed in micro-groups that fit it (None,
+            the default: one round, the fewest collectives).
         shard_modules: module classes that become FSDP2 units of an unchanged module
             (default: the children of every ``nn.ModuleList``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.

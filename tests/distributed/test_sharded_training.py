@@ -7,6 +7,7 @@ sharding promises.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -81,11 +82,11 @@ def test_sharded_dash_at_extreme_gradient_scales(tmp_path):
     spawn(check_extreme_scales, 2, tmp_path)
 
 
-def check_parity_and_memory(rank: int, world_size: int) -> None:
+def check_parity_and_memory(rank: int, world_size: int, micro_group_mib: float | None) -> None:
     reference = network().double()
     single = DASH(reference.parameters(), **OPTIONS)
     model = sharded(network().double())
-    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(micro_group_mib=micro_group_mib), **OPTIONS)
     for x, y in batches(6):
         x, y = x.double(), y.double()
         single.zero_grad()
@@ -113,12 +114,19 @@ def check_parity_and_memory(rank: int, world_size: int) -> None:
         distributor.elements_per_step,
     )
     assert (distributor.bytes_sent > 0) == (world_size > 1)
+    # Whole blocks in flight: a float64 8x8 block's gradient and update are 1,024 bytes.
+    if micro_group_mib is None:
+        assert distributor.micro_groups == 1
+    else:
+        assert distributor.micro_groups > 3
+        assert 1024 <= distributor.peak_gathered_bytes <= micro_group_mib * 2**20
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_sharded_dash_equals_single_process_and_splits_its_state(tmp_path, world_size):
-    spawn(check_parity_and_memory, world_size, tmp_path)
+@pytest.mark.parametrize("world_size, micro_group_mib", [(2, None), (3, 0.002), (4, None)])
+def test_sharded_dash_equals_single_process_and_splits_its_state(tmp_path, world_size, micro_group_mib):
+    """At 3 ranks the blocks travel in micro-groups of at most one 8x8 block per rank."""
+    spawn(functools.partial(check_parity_and_memory, micro_group_mib=micro_group_mib), world_size, tmp_path)
 
 
 def check_bad_shard_skips_everywhere(rank: int, world_size: int) -> None:

@@ -58,13 +58,16 @@ def all_state_bytes(optimizer: DASH, world_size: int) -> list[int]:
     return [int(t.item()) for t in every]
 
 
-def check_against_one_process(model: nn.Module, local_batch, world_size: int) -> None:
+def check_against_one_process(
+    model: nn.Module, local_batch, world_size: int, micro_group_mib: float | None = None
+) -> None:
     """Six steps of ``model`` (already parallelised; ``local_batch`` gives this rank's part
     of a global batch and the factor its loss is divided by) against one float64 process,
     the blocks' state split across the ranks."""
     reference = MLP().double()
     single = DASH(reference.parameters(), **OPTIONS)
-    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
+    distributor = ShardedDistributor(micro_group_mib=micro_group_mib)
+    optimizer = DASH(model.parameters(), distributor=distributor, **OPTIONS)
     for x in batches(6):
         single.zero_grad()
         loss(reference, x).backward()
@@ -81,6 +84,9 @@ def check_against_one_process(model: nn.Module, local_batch, world_size: int) ->
     every = all_state_bytes(optimizer, world_size)
     vectors = sum(2 * 8 * p.numel() for p in reference.parameters() if p.dim() == 1)
     assert max(every) <= 1.1 * single.state_bytes() / world_size + block_state_bytes(8, 8, 8) + vectors
+    if micro_group_mib is not None:
+        assert distributor.micro_groups > 1
+        assert distributor.peak_gathered_bytes <= micro_group_mib * 2**20
 
 
 def check_tensor_parallel(rank: int, world_size: int) -> None:
@@ -108,7 +114,8 @@ def check_tensor_parallel(rank: int, world_size: int) -> None:
         # The tensor-parallel ranks' sequence parts sum their losses' gradients: divide by 2.
         return x.chunk(2)[data].chunk(2, dim=1)[tensor], 2
 
-    check_against_one_process(model, local_batch, world_size)
+    # Micro-groups of at most one float64 8x8 block (gradient and update: 1,024 bytes) per rank.
+    check_against_one_process(model, local_batch, world_size, micro_group_mib=0.002)
     check_hsdp(rank, world_size)
     check_partial_is_refused(rank, world_size)
 

@@ -53,7 +53,8 @@ def even_reference_file(tmp_path_factory) -> str:
 @pytest.mark.multiprocess
 def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(even_reference_file, tmp_path):
     """2 x 2 (data x tensor parallel) from scratch, then from its checkpoint in one process
-    (1 x 1), then from that one's on a 1 x 4 mesh: every step on the single-process trajectory."""
+    (1 x 1), then from that one's on a 1 x 4 mesh with the blocks exchanged in micro-groups
+    (at most one float32 8 x 8 block per rank each): every step on the single-process trajectory."""
     first, second = tmp_path / "2x2.ckpt", tmp_path / "1x1.ckpt"
     module = TensorParallelLMModule
     trainer(4, 4, tmp_path, strategy_options={"tensor_parallel_size": 2}).fit(module(even_reference_file, str(first)))
@@ -63,7 +64,7 @@ def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(eve
         module(even_reference_file, str(second)), ckpt_path=first
     )
     release_process_group()
-    trainer(4, 8, tmp_path, strategy_options={"tensor_parallel_size": 4}).fit(
+    trainer(4, 8, tmp_path, strategy_options={"tensor_parallel_size": 4, "micro_group_mib": 0.001}).fit(
         module(even_reference_file), ckpt_path=second
     )
 
@@ -164,6 +165,9 @@ def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
     header = lines[0].split(",")
     exchange = [float(row.split(",")[header.index("dash/optimizer_bytes_sent_per_step")]) for row in lines[1:]]
     fsdp = [float(row.split(",")[header.index("dash/grad_sync_bytes_sent_per_step")]) for row in lines[1:]]
+    groups = {row.split(",")[header.index("dash/micro_groups")] for row in lines[1:]}
+    peaks = {float(row.split(",")[header.index("dash/peak_gathered_bytes")]) for row in lines[1:]}
+    assert groups == {"1.0"} and len(peaks) == 1 and peaks.pop() > 0
     assert len(exchange) == 3 and len(set(exchange)) == 1 and exchange[0] > 0
     # FSDP2 on rank 0 (W - 1 = 1): its float32 rows of every parameter (ceil(rows / 2) each), gathered
     # twice in the blocks (resharded after the forward), once in the root unit, and reduce-scattered once.

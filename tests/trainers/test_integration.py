@@ -87,6 +87,7 @@ def test_a_dash_optimizer_is_kept_and_ignored_options_are_named():
         ({"factor_decay": 2.0}, ValueError, "factor_decay"),
         ({"allow_custom_step": "yes"}, TypeError, "allow_custom_step"),
         ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+        ({"micro_group_mib": 0}, ValueError, "micro_group_mib"),
         ({"config": {"block_size": 8}}, TypeError, "config"),
         ({"blocksize": 8}, TypeError, r"blocksize.*known:.*'block_size'"),
     ],
@@ -97,7 +98,7 @@ def test_bad_arguments_name_the_option(arguments, error, name):
 
 
 def test_conversion_options_are_frozen_and_checked_when_constructed_directly():
-    conversion = ConversionOptions({"block_size": 16})
+    conversion = ConversionOptions({"block_size": 16}, micro_group_mib=64)
     with pytest.raises(dataclasses.FrozenInstanceError):
         conversion.factor_decay = 0.5  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -106,6 +107,11 @@ def test_conversion_options_are_frozen_and_checked_when_constructed_directly():
         ConversionOptions({"block_size": 0})
     # Spawned ranks receive them pickled.
     assert pickle.loads(pickle.dumps(conversion)) == conversion == copy.deepcopy(conversion)
+
+
+def test_a_micro_group_budget_is_refused_where_parameters_are_whole():
+    with pytest.raises(ValueError, match="micro_group_mib applies where parameters are sharded"):
+        ConversionOptions.build(micro_group_mib=64).convert(user_optimizer())
 
 
 def stepped(**options) -> DASH:

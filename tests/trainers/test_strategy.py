@@ -199,6 +199,7 @@ def test_fit_converts_with_every_option_keywords_winning_over_config(tmp_path):
         ({"root_order": 3}, ValueError, "root_order"),
         ({"root_order": True}, ValueError, "root_order"),
         ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+        ({"micro_group_mib": 64}, ValueError, "micro_group_mib applies where parameters are sharded"),
         ({"epsilon": -1.0}, ValueError, "epsilon"),
         ({"chebyshev_degree": 1}, ValueError, "chebyshev_degree"),
         ({"grafting_epsilon": 0.0}, ValueError, "grafting_epsilon"),

@@ -57,6 +57,8 @@ class Dash(Algorithm):
         allow_custom_step: convert a subclass of a supported optimizer that overrides
             ``step`` (its own update rule is then lost; refused by default).
         communication_dtype: dtype of the all-gathered block updates across ranks.
+        micro_group_mib: under FSDP2, the memory budget per rank, in MiB, for the whole blocks
+            a step gathers at once (None: one round); refused under DDP.
 
     Example:
         >>> from composer import Trainer
@@ -87,6 +89,8 @@ class Dash(Algorithm):
             shown["factor_decay"] = conversion.factor_decay
         if conversion.allow_custom_step:
             shown["allow_custom_step"] = True
+        if conversion.micro_group_mib is not None:
+            shown["micro_group_mib"] = conversion.micro_group_mib
         return f"Dash({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
 
     @override

@@ -19,6 +19,7 @@ from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
 from lightning_dash.optim.step.update import (
+    StackWork,
     UpdateRules,
     any_nonfinite,
     begin_stack,
@@ -48,15 +49,19 @@ def step_on_device(
     grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)
     vectors = [vector_work(layout, vector, groups[vector.group_index], active, rules) for vector in layout.vectors]
     vectors = [work for work in vectors if work is not None]
-    positions = {id(stack): position for position, stack in enumerate(layout.stacks)}
-    grads = distributor.block_gradients([stack.plan for stack in layout.stacks], layout.params)
-    works = [begin_stack(layout, stack, grad, groups, active, rules) for stack, grad in zip(layout.stacks, grads)]
-    works = [work for work in works if work is not None]
-    refreshed = roots.refresh(layout, works, due)
-    updates = [
-        BlockUpdate(positions[id(work.stack)], work.plan, work.index, stack_direction(work, rules)) for work in works
-    ]
-    shared = distributor.share_updates(updates)
+    works: list[StackWork] = []
+    reports: list[FailureReport] = []
+
+    def compute(positions: list[int], grads: list[Tensor]) -> list[BlockUpdate]:
+        begun = [(p, begin_stack(layout, layout.stacks[p], g, groups, active, rules)) for p, g in zip(positions, grads)]
+        placed = [(p, work) for p, work in begun if work is not None]
+        report = roots.refresh(layout, [work for _, work in placed], due)
+        reports.extend([report] if report is not None else [])
+        works.extend(work for _, work in placed)
+        return [BlockUpdate(p, work.plan, work.index, stack_direction(work, rules)) for p, work in placed]
+
+    shared = distributor.exchange_blocks([stack.plan for stack in layout.stacks], layout.params, compute)
+    refreshed = _merged(reports)
     update_bad = any_nonfinite(shared.tensors() + [work.update for work in vectors], device)
     flags = distributor.reduce_max(torch.stack([grad_bad, update_bad]))
     skip = flags.amax() > 0
@@ -74,6 +79,13 @@ def step_on_device(
         fresh = failure_summary(refreshed, distributor, device) * (~skip).to(torch.float32)
         failures = torch.stack([failures[0] + fresh[0], torch.maximum(failures[1], fresh[1])])
     return torch.cat([flags, failures])
+
+
+def _merged(reports: list[FailureReport]) -> FailureReport | None:
+    """The reports of a step's micro-groups as one (None: no roots were computed)."""
+    if not reports:
+        return None
+    return FailureReport([f for r in reports for f in r.failures], [s for r in reports for s in r.streaks])
 
 
 def _failures(report: FailureReport | None, distributor: BlockDistributor, device: torch.device) -> Tensor:

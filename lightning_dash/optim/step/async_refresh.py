@@ -112,8 +112,11 @@ class RootPipeline:
         self.emulate = False
         #: Swap in at the first step where the event has completed (False: at the deadline).
         self.swap_when_ready = True
-        #: Test hook: called on the side stream right before the solver (e.g. to delay it).
-        self.before_solve: Callable[[], None] | None = None
+        #: Test hook: called on the side stream after the solver, before its event is recorded
+        #: (e.g. to delay the event). A delay before the solver would not do: the host blocks
+        #: once a stream holds about a thousand launches it has not started, so a stalled solver
+        #: stalls the host too (seen on an H100).
+        self.before_event: Callable[[], None] | None = None
         self.ops = CudaOps()
         self._pending: _Launch | None = None
         self._uncounted: list[Tensor] = []
@@ -190,9 +193,9 @@ class RootPipeline:
         side = self._side_stream(device)
         side.wait_stream(main)  # the statistics and the snapshots are written before the solver reads them
         with ops.use_stream(side):
-            if self.before_solve is not None:
-                self.before_solve()
             launch.results = solve()
+            if self.before_event is not None:
+                self.before_event()
             launch.event = ops.new_event()
             launch.event.record(side)
         for tensor in launch.snapshots:

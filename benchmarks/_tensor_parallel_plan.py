@@ -22,6 +22,7 @@ import torch
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span, row_range
+from lightning_dash.distributed.micro_groups import assign_micro_groups, capacity_bytes, peak_gathered_bytes
 from lightning_dash.distributed.row_exchange import Piece, holder_preferences, plan_pieces, plan_rank
 from lightning_dash.optim.stacks import StackPlan
 from lightning_dash.optim.stacks.blocks import MatrixView
@@ -79,6 +80,8 @@ class MeshPlan:
     holdings: Holdings
     costs: list[float]
     owners: list[int]
+    #: Elements of each block (tile order, as ``costs`` and ``owners``).
+    elements: list[int]
     rank_plans: list[list[StackPlan]]
     gradients: list[Piece]
     updates: list[Piece]
@@ -121,15 +124,22 @@ def mesh_plan(
     owners = lpt_assign(costs, world, preferred=holder_preferences(regions, holdings))
     rank_plans, _ = plan_rank(regions, params, owners, holdings, rank=0)
     gradients, updates = plan_pieces(rank_plans, holdings)
-    return MeshPlan(holdings, costs, owners, rank_plans, gradients, updates)
+    elements = [math.prod(tile.block_shape) for tile in tiles]
+    return MeshPlan(holdings, costs, owners, elements, rank_plans, gradients, updates)
 
 
 def tensor_parallel_plan(
-    named: list[tuple[str, tuple[int, ...]]], dp: int, tp: int, block_size: int, **cost_options: int
+    named: list[tuple[str, tuple[int, ...]]],
+    dp: int,
+    tp: int,
+    block_size: int,
+    micro_group_mib: float | None = None,
+    **cost_options: int,
 ) -> dict:
     """Per-rank state, traffic and balance of DASH on a ``dp`` x ``tp`` mesh, with FSDP2's
     own traffic (bf16 parameters gathered twice, float32 gradients reduce-scattered, ring
-    collectives over the ``dp`` ranks of a tensor-parallel index) and AdamW's state.
+    collectives over the ``dp`` ranks of a tensor-parallel index) and AdamW's state, and the
+    whole blocks a rank gathers at once in micro-groups of ``micro_group_mib`` (None: one round).
     ``cost_options``: :func:`mesh_plan`'s ``precondition_frequency`` and ``root_iterations``."""
     start = time.perf_counter()
     world = dp * tp
@@ -168,6 +178,9 @@ def tensor_parallel_plan(
         held = sum(local_elements(shape, style, data, tensor, dp, tp) for shape, style in zip(shapes, styles))
         adamw.append(2 * FLOAT32 * held)
     sent = [FLOAT32 * count for count in elements]
+    footprints = [2 * FLOAT32 * count for count in plan.elements]
+    capacity = None if micro_group_mib is None else capacity_bytes(micro_group_mib)
+    groups = assign_micro_groups(plan.costs, plan.owners, footprints, capacity)
     shard = sum(fsdp_shard(shape, style, dp, tp) for shape, style in zip(shapes, styles))
     largest = max(
         FLOAT32 * (2 * (r * r + c * c) + 2 * r * c) for plans in rank_plans for r, c in (p.block_shape for p in plans)
@@ -185,6 +198,9 @@ def tensor_parallel_plan(
         "largest_block_state_bytes": largest,
         "state_bound_holds": max(state) <= 1.1 * sum(state) / world + largest,
         "gathered_bytes_max": max(gathered),
+        "micro_group_mib": micro_group_mib,
+        "micro_groups": max(groups) + 1,
+        "peak_gathered_bytes_max": max(peak_gathered_bytes(groups, plan.owners, footprints, world)),
         "adamw_state_bytes_max": max(adamw),
         "dash_bytes_sent_per_step_max": max(sent),
         "dash_bytes_sent_per_step_mean": sum(sent) / world,

@@ -327,6 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--block-size", type=int, default=DashConfig().block_size)
     parser.add_argument("--meshes", nargs="+", help="data-parallel x tensor-parallel sizes, e.g. 32x8")
+    parser.add_argument(
+        "--micro-group-mib",
+        type=float,
+        default=512.0,
+        help="with --meshes: the micro-group budget whose peak gathered bytes are reported (default 512)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -339,6 +345,8 @@ TENSOR_PARALLEL_TABLE = """
     DASH state max/mean GiB      {dash_state_bytes_max/GiB:.3f} / {dash_state_bytes_mean/GiB:.3f}
     AdamW state max GiB          {adamw_state_bytes_max/GiB:.3f}
     gathered grads max GiB       {gathered_bytes_max/GiB:.3f}
+    micro-groups (budget MiB)    {micro_groups} ({micro_group_mib})
+    peak gathered max GiB        {peak_gathered_bytes_max/GiB:.3f}
     DASH sent max/mean GiB/step  {dash_bytes_sent_per_step_max/GiB:.3f} / {dash_bytes_sent_per_step_mean/GiB:.3f}
     FSDP2 sent GiB/step          {fsdp_bytes_per_step/GiB:.3f}
     plan s                       {plan_s:.1f}
@@ -350,7 +358,7 @@ def tensor_parallel_main(args: argparse.Namespace) -> dict:
     for model, config in (("Qwen3-8B", QWEN3_8B), ("70B-class", CLASS_70B)):
         for mesh in args.meshes:
             dp, tp = (int(size) for size in mesh.lower().split("x"))
-            record = tensor_parallel_plan(qwen3_parameters(config), dp, tp, args.block_size)
+            record = tensor_parallel_plan(qwen3_parameters(config), dp, tp, args.block_size, args.micro_group_mib)
             records.append({"model": model, **record})
             print(format_columns(*column_cells(TENSOR_PARALLEL_TABLE, records[-1:])), flush=True)
     report = {
@@ -358,6 +366,8 @@ def tensor_parallel_main(args: argparse.Namespace) -> dict:
         "(rows over DP, columns over TP); norms replicated over TP, rows over DP",
         "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
         "gathered": "gradient elements of the blocks a rank owns, float32: what its exchange receives at once",
+        "peak_gathered": "the most bytes of whole blocks (float32 gradients and updates) a rank holds at once when "
+        "its blocks travel in micro-groups of micro_group_mib, the next micro-group's gradients included",
         "fsdp_assumption": "FSDP2 over the DP ranks of each TP index; " + FSDP_ASSUMPTION,
         "records": records,
     }

@@ -62,13 +62,14 @@ def assign_micro_groups(
     return groups
 
 
-def peak_gathered_bytes(groups: Sequence[int], owners: Sequence[int], footprints: Sequence[int], rank: int) -> int:
-    """The most bytes of whole blocks ``rank`` holds at once in a step: a micro-group's
-    gradients and updates (``footprints``, half each) and the next micro-group's gradients,
-    which are exchanged meanwhile."""
+def peak_gathered_bytes(
+    groups: Sequence[int], owners: Sequence[int], footprints: Sequence[int], world_size: int
+) -> list[int]:
+    """For every rank, the most bytes of whole blocks it holds at once in a step: a
+    micro-group's gradients and updates (``footprints``, half each) and the next
+    micro-group's gradients, which are exchanged meanwhile."""
     count = max(groups, default=-1) + 1
-    held = [0] * count
+    held = [[0] * (count + 1) for _ in range(world_size)]
     for group, owner, footprint in zip(groups, owners, footprints):
-        if owner == rank:
-            held[group] += footprint
-    return max((held[g] + (held[g + 1] // 2 if g + 1 < count else 0) for g in range(count)), default=0)
+        held[owner][group] += footprint
+    return [max((mine[g] + mine[g + 1] // 2 for g in range(count)), default=0) for mine in held]

@@ -275,7 +275,7 @@ class ShardedDistributor(ProcessGroupDistributor):
         footprints = [2 * t.block_shape[0] * t.block_shape[1] * sizes[t.param_index] for t, _ in tiles]
         capacity = None if self.micro_group_mib is None else capacity_bytes(self.micro_group_mib)
         groups = assign_micro_groups([self._costs[key] for key in keys], owners, footprints, capacity)
-        self._peak_gathered_bytes = peak_gathered_bytes(groups, owners, footprints, self.rank)
+        self._peak_gathered_bytes = peak_gathered_bytes(groups, owners, footprints, self.world_size)[self.rank]
         plans: list[StackPlan] = []
         self._groups = []
         for group_regions, group_owners in _group_regions(regions, owners, groups):

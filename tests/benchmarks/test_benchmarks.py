@@ -502,6 +502,10 @@ def test_tensor_parallel_estimate_of_a_small_qwen3():
         assert total == single["dash_state_bytes_mean"] + 8 * (tp - 1) * vector_elements
         assert plan["blocks"] == single["blocks"] and plan["state_bound_holds"]
         assert 0 < plan["dash_bytes_sent_per_step_max"] and (plan["fsdp_bytes_per_step"] > 0) == (dp > 1)
+        # One round: every owned block's gradient and update at once; micro-groups: within the budget.
+        assert plan["micro_groups"] == 1 and plan["peak_gathered_bytes_max"] == 2 * plan["gathered_bytes_max"]
+        budgeted = tensor_parallel_plan(named, dp, tp, block_size=32, micro_group_mib=0.05)
+        assert budgeted["micro_groups"] > 1 and budgeted["peak_gathered_bytes_max"] <= 0.05 * 2**20
 
 
 def test_the_tensor_parallel_estimate_counts_what_each_rank_exchange_sends():

@@ -15,7 +15,7 @@ from test_sharded_training import OPTIONS, block_state_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from lightning_dash import DASH
@@ -116,14 +116,78 @@ def check_tensor_parallel(rank: int, world_size: int) -> None:
 
     # Micro-groups of at most one float64 8x8 block (gradient and update: 1,024 bytes) per rank.
     check_against_one_process(model, local_batch, world_size, micro_group_mib=0.002)
+    for shape in ((2, 2), (1, 4)):
+        check_language_model(init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel")))
     check_hsdp(rank, world_size)
     check_partial_is_refused(rank, world_size)
 
 
+VOCAB, WIDTH = 16, 12
+
+
+class LanguageModel(nn.Module):
+    """A vocabulary-parallel embedding tied to the output layer, a fused QKV projection and an
+    output projection, as a tensor-parallel transformer layer has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return self.head(x + self.proj(torch.tanh(q) * k + v))
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def check_language_model(mesh) -> None:
+    """On ``mesh``: the embedding and the head vocabulary-parallel and tied, the QKV projection
+    column-parallel and split into its three projections by ``split_rows``, the output
+    projection row-parallel; five steps equal one float64 process with the same split."""
+    split = {"qkv": 3}
+    reference = LanguageModel().double()
+    single = DASH(reference.named_parameters(), split_rows=split, **OPTIONS)
+    model = LanguageModel().double()
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "qkv": ColwiseParallel(output_layouts=Replicate()),
+        "proj": RowwiseParallel(input_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh["tensor_parallel"], plan)
+    model.head.weight = model.embed.weight  # parallelize_module gave each its own DTensor
+    fully_shard(model, mesh=mesh["data_parallel"])
+    optimizer = DASH(model.named_parameters(), distributor=ShardedDistributor(), split_rows=split, **OPTIONS)
+    data = mesh["data_parallel"]
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        tokens = torch.randint(0, VOCAB, (8, 7), generator=generator)
+        single.zero_grad()
+        next_token_loss(reference, tokens).backward()
+        single.step()
+        optimizer.zero_grad()
+        next_token_loss(model, tokens.chunk(data.size())[data.get_local_rank()]).backward()
+        optimizer.step()
+    assert model.head.weight is model.embed.weight
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9, msg=name)
+
+
 @pytest.mark.multiprocess
 def test_tensor_parallel_and_hsdp_equal_one_process_and_partial_is_refused(tmp_path):
-    """One set of 4 processes: tensor parallelism with sequence parallelism under FSDP2, then
-    HSDP, then a Partial parameter, named with its placements."""
+    """One set of 4 processes: tensor parallelism with sequence parallelism under FSDP2, a
+    language model's layouts (tied vocabulary-parallel embedding, fused QKV) at 2x2 and 1x4,
+    then HSDP, then a Partial parameter, named with its placements."""
     spawn(check_tensor_parallel, 4, tmp_path)
 
 

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -178,6 +179,22 @@ class TensorParallelLMModule(LMModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         up = self.model.blocks[0].up.weight
         assert up.device_mesh.shape == tuple(self.device_mesh.shape) and len(up.placements) == 2
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+
+class HybridShardedLMModule(LMModule):
+    """HSDP as a user writes ``configure_model``: FSDP2 over a (replicate, shard) mesh of the
+    data-parallel ranks, two replicas of the shards."""
+
+    def configure_model(self) -> None:
+        ranks = self.device_mesh["data_parallel"].size()
+        mesh = init_device_mesh("cpu", (2, ranks // 2), mesh_dim_names=("replicate", "shard"))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        assert all(p.placements[0].is_replicate() and p.device_mesh.ndim == 2 for p in self.parameters())
         super().on_train_batch_end(outputs, batch, batch_idx)
 
 

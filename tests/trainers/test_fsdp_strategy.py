@@ -17,6 +17,7 @@ import torch
 from helpers.fsdp_parity import (
     DASH_OPTIONS,
     EVEN_HIDDEN,
+    HybridShardedLMModule,
     LMModule,
     TensorParallelLMModule,
     TinyLM,
@@ -91,7 +92,7 @@ def test_module_that_shards_itself_in_configure_model(reference_file, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "first,second,distributed",
-    [(2, 1, True), (2, 2, False), (2, 4, True), (4, 2, True)],
+    [(2, 1, True), (2, 2, False), (2, 4, True)],
 )
 def test_checkpoints_resume_exactly_at_another_world_size(reference_file, tmp_path, first, second, distributed):
     checkpoint = tmp_path / "half.ckpt"
@@ -100,6 +101,17 @@ def test_checkpoints_resume_exactly_at_another_world_size(reference_file, tmp_pa
     release_process_group()
     assert checkpoint.is_dir() == distributed
     trainer(second, 8, tmp_path, strategy_options=options).fit(LMModule(reference_file), ckpt_path=checkpoint)
+
+
+@pytest.mark.multiprocess
+def test_hsdp_in_configure_model_matches_one_process_and_resumes_under_fsdp(reference_file, tmp_path):
+    """HSDP over 4 ranks (2 replicas of 2 shards) as configure_model applies it; its distributed
+    checkpoint then resumes under plain FSDP2 on 2 ranks, every step on the trajectory."""
+    checkpoint = tmp_path / "hsdp.ckpt"
+    options = {"save_distributed_checkpoint": True}
+    trainer(4, 4, tmp_path, strategy_options=options).fit(HybridShardedLMModule(reference_file, str(checkpoint)))
+    release_process_group()
+    trainer(2, 8, tmp_path, strategy_options=options).fit(LMModule(reference_file), ckpt_path=checkpoint)
 
 
 @pytest.mark.multiprocess

@@ -7,6 +7,8 @@ asserts inside itself.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,8 +118,10 @@ def check_tensor_parallel(rank: int, world_size: int) -> None:
 
     # Micro-groups of at most one float64 8x8 block (gradient and update: 1,024 bytes) per rank.
     check_against_one_process(model, local_batch, world_size, micro_group_mib=0.002)
-    for shape in ((2, 2), (1, 4)):
-        check_language_model(init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel")))
+    names = ("data_parallel", "tensor_parallel")
+    check_language_model(init_device_mesh("cpu", (2, 2), mesh_dim_names=names), frozen=("proj.weight", "qkv.bias"))
+    check_language_model(init_device_mesh("cpu", (1, 4), mesh_dim_names=names), scale=1e20, fault_at=2)
+    check_language_model(init_device_mesh("cpu", (2, 2), mesh_dim_names=names), scale=1e-30)
     check_hsdp(rank, world_size)
     check_partial_is_refused(rank, world_size)
 
@@ -150,14 +154,20 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def check_language_model(mesh) -> None:
+def check_language_model(mesh, scale: float = 1.0, frozen: tuple[str, ...] = (), fault_at: int | None = None) -> None:
     """On ``mesh``: the embedding and the head vocabulary-parallel and tied, the QKV projection
     column-parallel and split into its three projections by ``split_rows``, the output
-    projection row-parallel; five steps equal one float64 process with the same split."""
+    projection row-parallel; five steps equal one float64 process with the same split.
+    ``scale`` multiplies the loss; ``frozen`` parameters do not train; at step ``fault_at``
+    one rank's piece of a gradient is infinite (and the single process's gradient too): the
+    step is skipped on every rank, where AdamW would write NaN into the parameters."""
     split = {"qkv": 3}
     reference = LanguageModel().double()
-    single = DASH(reference.named_parameters(), split_rows=split, **OPTIONS)
     model = LanguageModel().double()
+    for name in frozen:
+        reference.get_parameter(name).requires_grad_(False)
+        model.get_parameter(name).requires_grad_(False)
+    single = DASH(reference.named_parameters(), split_rows=split, **OPTIONS)
     plan = {
         "embed": RowwiseParallel(input_layouts=Replicate()),
         "qkv": ColwiseParallel(output_layouts=Replicate()),
@@ -170,23 +180,35 @@ def check_language_model(mesh) -> None:
     optimizer = DASH(model.named_parameters(), distributor=ShardedDistributor(), split_rows=split, **OPTIONS)
     data = mesh["data_parallel"]
     generator = torch.Generator().manual_seed(5)
-    for _ in range(5):
+    for step in range(5):
         tokens = torch.randint(0, VOCAB, (8, 7), generator=generator)
         single.zero_grad()
-        next_token_loss(reference, tokens).backward()
-        single.step()
+        (scale * next_token_loss(reference, tokens)).backward()
         optimizer.zero_grad()
-        next_token_loss(model, tokens.chunk(data.size())[data.get_local_rank()]).backward()
+        (scale * next_token_loss(model, tokens.chunk(data.size())[data.get_local_rank()])).backward()
+        if step == fault_at:
+            reference.qkv.weight.grad[0, 0] = math.inf
+            if dist.get_rank() == dist.get_world_size() - 1:
+                model.qkv.weight.grad.to_local()[-1, -1] = math.inf
+            before = [param.full_tensor() for param in model.parameters()]
+        single.step()
         optimizer.step()
+        if step == fault_at:
+            assert all(torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before))
     assert model.head.weight is model.embed.weight
+    assert (optimizer.nonfinite_grad_skips, single.nonfinite_grad_skips) == ((1, 1) if fault_at is not None else (0, 0))
+    assert optimizer.root_failure_count == single.root_failure_count == 0
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9, msg=name)
+    for name in frozen:
+        assert torch.equal(model.get_parameter(name).full_tensor(), LanguageModel().double().get_parameter(name))
 
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_and_hsdp_equal_one_process_and_partial_is_refused(tmp_path):
     """One set of 4 processes: tensor parallelism with sequence parallelism under FSDP2, a
-    language model's layouts (tied vocabulary-parallel embedding, fused QKV) at 2x2 and 1x4,
+    language model's layouts (tied vocabulary-parallel embedding, fused QKV) at 2x2 and 1x4
+    (with frozen parameters, losses scaled by 1e20 and 1e-30, an infinite gradient piece),
     then HSDP, then a Partial parameter, named with its placements."""
     spawn(check_tensor_parallel, 4, tmp_path)
 

@@ -249,11 +249,14 @@ def main() -> None:
     parser.add_argument("--load-path")
     parser.add_argument("--fsdp", choices=("sharded", "full"))
     parser.add_argument("--grafting", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--micro-group-mib", type=float)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     lrs = RecordLearningRates()
     memory = InMemoryLogger()
     options = DASH_OPTIONS if args.grafting == "adam" else SGD_GRAFTING_OPTIONS
+    if args.micro_group_mib is not None:
+        options = {**options, "micro_group_mib": args.micro_group_mib}
     trainer = make_trainer(
         args.kind,
         args.max_duration,

@@ -53,21 +53,21 @@ def even_reference_file(tmp_path_factory) -> str:
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(even_reference_file, tmp_path):
-    """2 x 2 (data x tensor parallel) from scratch, then from its checkpoint in one process
-    (1 x 1), then from that one's on a 1 x 4 mesh with the blocks exchanged in micro-groups
-    (at most one float32 8 x 8 block per rank each): every step on the single-process trajectory."""
-    first, second = tmp_path / "2x2.ckpt", tmp_path / "1x1.ckpt"
+    """2 x 2 (data x tensor parallel) from scratch, then from its checkpoint at 4 x 1 with the
+    blocks exchanged in micro-groups (at most one float32 8 x 8 block per rank each), then in
+    one process (1 x 1), and back to 2 x 2: every step on the single-process trajectory."""
     module = TensorParallelLMModule
-    trainer(4, 4, tmp_path, strategy_options={"tensor_parallel_size": 2}).fit(module(even_reference_file, str(first)))
-    release_process_group()
-    assert first.is_dir()
-    trainer(1, 6, tmp_path, strategy_options={"tensor_parallel_size": 1}).fit(
-        module(even_reference_file, str(second)), ckpt_path=first
-    )
-    release_process_group()
-    trainer(4, 8, tmp_path, strategy_options={"tensor_parallel_size": 4, "micro_group_mib": 0.001}).fit(
-        module(even_reference_file), ckpt_path=second
-    )
+    legs = [(4, 2, {}), (4, 1, {"micro_group_mib": 0.001}), (1, 1, {}), (4, 2, {})]
+    previous = None
+    for number, (devices, tensor, options) in enumerate(legs):
+        checkpoint = tmp_path / f"leg{number}.ckpt"
+        strategy_options = {"tensor_parallel_size": tensor, **options}
+        trainer(devices, 2 * (number + 1), tmp_path, strategy_options=strategy_options).fit(
+            module(even_reference_file, str(checkpoint)), ckpt_path=previous
+        )
+        release_process_group()
+        assert checkpoint.is_dir()
+        previous = checkpoint
 
 
 @pytest.mark.multiprocess

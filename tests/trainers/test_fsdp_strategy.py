@@ -39,15 +39,15 @@ def reference_file(tmp_path_factory) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("devices", [2, 4])
-def test_unchanged_module_is_sharded_and_matches_single_process_dash(reference_file, tmp_path, devices):
-    trainer(devices, 5, tmp_path).fit(LMModule(reference_file))
+def test_unchanged_module_is_sharded_and_matches_single_process_dash(reference_file, tmp_path):
+    """Two ranks (four: the resume from two below, HSDP and tensor parallelism)."""
+    trainer(2, 5, tmp_path).fit(LMModule(reference_file))
 
 
 @pytest.fixture(scope="module")
 def even_reference_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tensor_parallel_reference") / "reference.pt"
-    torch.save(reference_trajectory(8, EVEN_HIDDEN), path)
+    torch.save(reference_trajectory(10, EVEN_HIDDEN), path)
     return str(path)
 
 
@@ -55,33 +55,25 @@ def even_reference_file(tmp_path_factory) -> str:
 def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(even_reference_file, tmp_path):
     """2 x 2 (data x tensor parallel) from scratch, then from its checkpoint at 4 x 1 with the
     blocks exchanged in micro-groups (at most one float32 8 x 8 block per rank each), then in
-    one process (1 x 1), and back to 2 x 2: every step on the single-process trajectory."""
-    module = TensorParallelLMModule
-    legs = [(4, 2, {}), (4, 1, {"micro_group_mib": 0.001}), (1, 1, {}), (4, 2, {})]
+    one process (1 x 1), then at 2 x 2 again writing a single file, which DDP (``"dash"``) resumes
+    on 2 ranks: every step on the single-process trajectory."""
+    single_file = {"save_distributed_checkpoint": False}
+    legs = [(4, 2, {}), (4, 1, {"micro_group_mib": 0.001}), (1, 1, {}), (4, 2, single_file)]
     previous = None
     for number, (devices, tensor, options) in enumerate(legs):
         checkpoint = tmp_path / f"leg{number}.ckpt"
         strategy_options = {"tensor_parallel_size": tensor, **options}
         trainer(devices, 2 * (number + 1), tmp_path, strategy_options=strategy_options).fit(
-            module(even_reference_file, str(checkpoint)), ckpt_path=previous
+            TensorParallelLMModule(even_reference_file, str(checkpoint)), ckpt_path=previous
         )
         release_process_group()
-        assert checkpoint.is_dir()
+        assert checkpoint.is_dir() == (options is not single_file)
         previous = checkpoint
-
-
-@pytest.mark.multiprocess
-def test_a_tensor_parallel_single_file_resumes_under_ddp(even_reference_file, tmp_path):
-    checkpoint = tmp_path / "2x2.ckpt"
-    options = {"tensor_parallel_size": 2, "save_distributed_checkpoint": False}
-    trainer(4, 4, tmp_path, strategy_options=options).fit(TensorParallelLMModule(even_reference_file, str(checkpoint)))
-    release_process_group()
-    assert checkpoint.is_file()
-    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
     checked = DDPChecked(even_reference_file)
     checked.hidden = EVEN_HIDDEN
     checked.model = TinyLM(EVEN_HIDDEN)
-    trainer(2, 8, tmp_path, strategy=ddp).fit(checked, ckpt_path=checkpoint)
+    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
+    trainer(2, 2 * len(legs) + 2, tmp_path, strategy=ddp).fit(checked, ckpt_path=previous)
 
 
 @pytest.mark.multiprocess

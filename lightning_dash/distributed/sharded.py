@@ -7,9 +7,10 @@ Blocks are cut from the whole parameters (as in one process) and owned by ranks 
 DDP (greedy LPT over the FLOP cost model), over the whole mesh. Each step, one
 ``all_to_all`` carries the gradient pieces of every block to its owner, the owner updates
 its statistics and computes the block's update, and a second ``all_to_all`` carries the
-update pieces back to every rank that holds them (:mod:`.row_exchange`). No rank
-materialises a whole parameter. One-dimensional parameters are updated elementwise on each
-rank's own shard."""
+update pieces back to every rank that holds them (:mod:`.row_exchange`): once, or once per
+micro-group under a memory budget (:mod:`.micro_groups`). No rank materialises a whole
+parameter (:mod:`.placements` checks that every shard is a rectangle of one).
+One-dimensional parameters are updated elementwise on each rank's own shard."""
 
 from __future__ import annotations
 
@@ -19,16 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor
 
-from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span
 from lightning_dash.distributed.micro_groups import (
     assign_micro_groups,
     capacity_bytes,
     check_micro_group_mib,
     peak_gathered_bytes,
 )
+from lightning_dash.distributed.placements import check_sharded_placements, sharded_holdings
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
 from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank
 from lightning_dash.optim.distributor import BlockUpdate, ComputeUpdates, masked
@@ -45,73 +45,6 @@ def _local_gradient(param: Tensor) -> Tensor | None:
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
     return None if grad is None else _local(grad)
-
-
-def _whole(tensor: Tensor) -> Tensor:
-    """The whole tensor on the CPU (collective for a DTensor)."""
-    return tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor
-
-
-def _placement_ok(placement: Placement, matrix: bool) -> bool:
-    """Whether a mesh dimension cuts a parameter into rectangles of its matrix: by rows
-    (FSDP2, a column-parallel weight, its strided form under FSDP2), by the columns of a
-    matrix (a row-parallel weight), or not at all (replicated)."""
-    if isinstance(placement, (Shard, _StridedShard)):
-        return placement.dim == 0 or (matrix and placement.dim == 1)
-    return isinstance(placement, Replicate)
-
-
-def check_sharded_placements(params: list[Tensor], names: list[str] | None) -> None:
-    """Refuse parameters that are not DTensors cut into rectangles (FSDP2's rows, and
-    tensor parallelism's rows or columns of a matrix, possibly replicated), naming the
-    first one."""
-    for index, param in enumerate(params):
-        name = names[index] if names else f"parameter {index} {tuple(param.shape)}"
-        if not isinstance(param, DTensor):
-            raise ValueError(
-                f"{name} is not sharded (a plain tensor): with strategy 'dash_fsdp' every parameter must "
-                "belong to a module passed to fully_shard (shard the root module last)"
-            )
-        if not all(_placement_ok(placement, param.dim() == 2) for placement in param.placements):
-            raise ValueError(
-                f"{name} is placed as {param.placements} on a mesh of shape {tuple(param.device_mesh.shape)}: DASH "
-                "supports parameters sharded by rows (Shard(0), as FSDP2 and column-parallel layers do), by "
-                "columns of a matrix (Shard(1), row-parallel layers) or replicated"
-            )
-
-
-def _rectangle(param: Tensor, view: tuple[int, int]) -> tuple[Span, Span]:
-    """The rows and columns of ``param``'s matrix view ``view`` that this rank holds."""
-    chunks = param.__create_chunk_list__() if isinstance(param, DTensor) else []
-    if not chunks or 0 in chunks[0].sizes:
-        return (0, 0), (0, 0)
-    offsets, sizes = list(chunks[0].offsets), list(chunks[0].sizes)
-    if param.dim() == 2 and tuple(param.shape) == view:
-        return (offsets[0], offsets[0] + sizes[0]), (offsets[1], offsets[1] + sizes[1])
-    per_entry = view[0] // param.shape[0]
-    return (offsets[0] * per_entry, (offsets[0] + sizes[0]) * per_entry), (0, view[1])
-
-
-def sharded_holdings(
-    regions: list[Region], params: list[Tensor], names: list[str] | None, group: dist.ProcessGroup | None
-) -> Holdings:
-    """Every rank's rectangle of each blocked parameter, gathered once (collective over
-    ``group``); a layout that does not cut a parameter into rectangles is refused."""
-    views = {region.param_index: region.view.shape for region in regions}
-    mine = {index: _rectangle(params[index], view) for index, view in views.items()}
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    holdings = Holdings(
-        len(every), {index: ParameterHoldings(view, [held[index] for held in every]) for index, view in views.items()}
-    )
-    for index, cells in holdings.parameters.items():
-        if not cells.tiles_exactly():
-            name = names[index] if names else f"parameter {index}"
-            raise ValueError(
-                f"{name} is placed as {params[index].placements}: its shards do not cut the "
-                f"{views[index]} matrix into rectangles DASH can exchange"
-            )
-    return holdings
 
 
 def _end_to_end(tensors: list[Tensor | None], sizes: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dash.distributed.sharded import check_sharded_placements
+from lightning_dash.distributed.placements import check_sharded_placements
 from lightning_dash.fabric.optimizers import (
     FabricDashOptimizers,
     LoadTarget,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from composer.core import State
 from torch.distributed.tensor import DTensor
 
-from lightning_dash.distributed.sharded import check_sharded_placements
+from lightning_dash.distributed.placements import check_sharded_placements
 from lightning_dash.optim import DASH
 from lightning_dash.optim.stacks import param_names
 

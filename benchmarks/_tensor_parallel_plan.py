@@ -23,7 +23,7 @@ import torch
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span, row_range
 from lightning_dash.distributed.micro_groups import assign_micro_groups, capacity_bytes, peak_gathered_bytes
-from lightning_dash.distributed.row_exchange import Piece, holder_preferences, plan_pieces, plan_rank
+from lightning_dash.distributed.piece_exchange import Piece, holder_preferences, plan_pieces, plan_rank
 from lightning_dash.optim.stacks import StackPlan
 from lightning_dash.optim.stacks.blocks import MatrixView
 from lightning_dash.optim.stacks.layout import matrix_regions
@@ -147,7 +147,7 @@ def tensor_parallel_plan(
     styles = [tensor_parallel_style(name, shape) for name, shape in named]
     plan = mesh_plan(named, dp, tp, block_size, **cost_options)
     rank_plans, gradients, updates = plan.rank_plans, plan.gradients, plan.updates
-    # What RowExchange.elements_sent counts for every rank, from the pieces at once: the
+    # What PieceExchange.elements_sent counts for every rank, from the pieces at once: the
     # gradient pieces it holds of other ranks' blocks and the update pieces of its blocks
     # that other ranks hold.
     elements = [0] * world

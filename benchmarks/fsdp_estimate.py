@@ -16,7 +16,7 @@ counts from it, per rank:
   scalars: root validity, failure count and factor scale.)
 * DASH bytes sent per step: the gradient rows this rank holds of other ranks' blocks
   plus the update rows of its own blocks that other ranks hold, float32 both ways
-  (``RowExchange.elements_sent() * 4``).
+  (``PieceExchange.elements_sent() * 4``).
 * AdamW state bytes: two float32 buffers over the rank's row shard of every parameter
   (``8 P / N`` on average).
 * FSDP2's own bytes sent per step and rank, assuming bf16 parameters all-gathered twice
@@ -58,7 +58,7 @@ from common import RESULTS_DIR, format_columns, write_json
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.holdings import row_range
-from lightning_dash.distributed.row_exchange import (
+from lightning_dash.distributed.piece_exchange import (
     exchange_for,
     holder_preferences,
     plan_pieces,
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": asdict(QWEN3_8B),
         "dtypes": "bf16 parameters, float32 gradients and optimizer state",
         "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
-        "dash_traffic": "gradient rows to block owners and update rows back, float32 (RowExchange.elements_sent * 4)",
+        "dash_traffic": "gradient rows to block owners and update rows back, float32 (PieceExchange.elements_sent * 4)",
         "adamw_state": "2 float32 buffers per element of the rank's row shard",
         "fsdp_assumption": FSDP_ASSUMPTION,
         "records": records,

@@ -2,7 +2,7 @@
 or columns, replicas, as rectangles of the parameter's matrix view.
 
 DASH exchanges block pieces between the ranks that hold them and the blocks' owners
-(:mod:`.row_exchange`). That needs every shard to be a rectangle of the matrix; this module
+(:mod:`.piece_exchange`). That needs every shard to be a rectangle of the matrix; this module
 checks the placements and gathers every rank's rectangle once.
 """
 

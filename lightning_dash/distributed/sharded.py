@@ -7,7 +7,7 @@ Blocks are cut from the whole parameters (as in one process) and owned by ranks 
 DDP (greedy LPT over the FLOP cost model), over the whole mesh. Each step, one
 ``all_to_all`` carries the gradient pieces of every block to its owner, the owner updates
 its statistics and computes the block's update, and a second ``all_to_all`` carries the
-update pieces back to every rank that holds them (:mod:`.row_exchange`): once, or once per
+update pieces back to every rank that holds them (:mod:`.piece_exchange`): once, or once per
 micro-group under a memory budget (:mod:`.micro_groups`). No rank materialises a whole
 parameter (:mod:`.placements` checks that every shard is a rectangle of one).
 One-dimensional parameters are updated elementwise on each rank's own shard."""
@@ -28,9 +28,9 @@ from lightning_dash.distributed.micro_groups import (
     check_micro_group_mib,
     peak_gathered_bytes,
 )
+from lightning_dash.distributed.piece_exchange import PieceExchange, Runs, holder_preferences, plan_rank
 from lightning_dash.distributed.placements import check_sharded_placements, sharded_holdings
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, wire_dtype
-from lightning_dash.distributed.row_exchange import RowExchange, Runs, holder_preferences, plan_rank
 from lightning_dash.optim.distributor import BlockUpdate, ComputeUpdates, masked
 from lightning_dash.optim.stacks import Region, StackPlan, working_dtype
 
@@ -75,7 +75,7 @@ class _RankExchange:
     stacks ``first``, ``first + 1``, ...), and the runs of both directions (gradients to
     the owners, updates back to the holders)."""
 
-    rows: RowExchange
+    pieces: PieceExchange
     plans: list[StackPlan]
     first: int
     gradient_send: Runs
@@ -84,15 +84,15 @@ class _RankExchange:
     update_receive: Runs
 
     @classmethod
-    def of(cls, rows: RowExchange, plans: list[StackPlan], first: int, device: torch.device) -> _RankExchange:
+    def of(cls, pieces: PieceExchange, plans: list[StackPlan], first: int, device: torch.device) -> _RankExchange:
         return cls(
-            rows,
+            pieces,
             plans,
             first,
-            rows.gradient_send_runs().to(device),
-            rows.gradient_receive_runs(plans).to(device),
-            rows.update_send_runs(plans).to(device),
-            rows.update_receive_runs().to(device),
+            pieces.gradient_send_runs().to(device),
+            pieces.gradient_receive_runs(plans).to(device),
+            pieces.update_send_runs(plans).to(device),
+            pieces.update_receive_runs().to(device),
         )
 
     @property
@@ -103,7 +103,7 @@ class _RankExchange:
 
 class _RowUpdates:
     """The update rows this rank holds, received from the blocks' owners and scattered
-    into a flat tensor laid out as its shards end to end (:attr:`RowExchange.held`)."""
+    into a flat tensor laid out as its shards end to end (:attr:`PieceExchange.held`)."""
 
     def __init__(self, held: dict[int, tuple[int, int]], flat: Tensor) -> None:
         self.held = held
@@ -146,7 +146,7 @@ def _group_regions(regions: list[Region], owners: list[int], groups: list[int]) 
 
 
 class ShardedDistributor(ProcessGroupDistributor):
-    """Block ownership and the two row exchanges of DASH on FSDP2-sharded parameters.
+    """Block ownership and the two piece exchanges of DASH on sharded parameters (FSDP2, tensor parallelism).
 
     Args:
         process_group: the group the parameters are sharded over (None: the default group).
@@ -212,15 +212,15 @@ class ShardedDistributor(ProcessGroupDistributor):
         plans: list[StackPlan] = []
         self._groups = []
         for group_regions, group_owners in _group_regions(regions, owners, groups):
-            rank_plans, rows = plan_rank(group_regions, params, group_owners, holdings, self.rank)
-            self._groups.append(_RankExchange.of(rows, rank_plans[self.rank], len(plans), self._device()))
+            rank_plans, pieces = plan_rank(group_regions, params, group_owners, holdings, self.rank)
+            self._groups.append(_RankExchange.of(pieces, rank_plans[self.rank], len(plans), self._device()))
             plans += rank_plans[self.rank]
         return plans
 
     @property
     def elements_per_step(self) -> int:
         """Elements this rank sends to others in one step (0 before the first step)."""
-        return sum(group.rows.elements_sent() for group in self._groups)
+        return sum(group.pieces.elements_sent() for group in self._groups)
 
     @property
     def micro_groups(self) -> int:
@@ -250,11 +250,11 @@ class ShardedDistributor(ProcessGroupDistributor):
         each ``all_to_all`` and one scatter after it, whatever the model."""
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         device = self._device()
-        held = self._groups[0].rows.held
+        held = self._groups[0].pieces.held
         grads = [_local_gradient(params[index]) for index in held]
         flat_grads = _end_to_end(grads, [numel for _, numel in held.values()], dtype, device)
         received_updates = torch.zeros(
-            self._groups[0].rows.held_numel, dtype=wire_dtype(self.communication_dtype, dtype), device=device
+            self._groups[0].pieces.held_numel, dtype=wire_dtype(self.communication_dtype, dtype), device=device
         )
         pending = self._send_gradients(self._groups[0], flat_grads)
         for number, group in enumerate(self._groups):
@@ -271,7 +271,7 @@ class ShardedDistributor(ProcessGroupDistributor):
 
     def _send_gradients(self, group: _RankExchange, flat_grads: Tensor) -> _Pending:
         send = flat_grads.index_select(0, group.gradient_send.positions())
-        return self._start_all_to_all(send, group.rows.gradients_out_sizes, group.rows.gradients_in_sizes)
+        return self._start_all_to_all(send, group.pieces.gradients_out_sizes, group.pieces.gradients_in_sizes)
 
     def _gradient_stacks(self, group: _RankExchange, received: Tensor, params: list[Tensor]) -> list[Tensor]:
         receive = group.gradient_receive
@@ -298,7 +298,7 @@ class ShardedDistributor(ProcessGroupDistributor):
         sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in group.plans]
         stacks = _end_to_end([full.get(stack) for stack in range(len(group.plans))], sizes, wire, device)
         send = stacks.index_select(0, group.update_send.positions())
-        return self._start_all_to_all(send, group.rows.updates_out_sizes, group.rows.updates_in_sizes)
+        return self._start_all_to_all(send, group.pieces.updates_out_sizes, group.pieces.updates_in_sizes)
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)

@@ -1,4 +1,4 @@
-"""Bytes FSDP2's own collectives move per step, next to which DASH's row exchanges are reported."""
+"""Bytes FSDP2's own collectives move per step, next to which DASH's block exchanges are reported."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
         self.shard_modules = tuple(shard_modules) if shard_modules else None
         self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
         #: FSDP2's gradient and parameter traffic per step (from the collectives' sizes) and
-        #: the bytes DASH's row exchanges sent, for this rank.
+        #: the bytes DASH's block exchanges sent, for this rank.
         self.comm_stats = CommStats()
 
     @classmethod

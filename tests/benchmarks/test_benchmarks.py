@@ -513,7 +513,7 @@ def test_the_tensor_parallel_estimate_counts_what_each_rank_exchange_sends():
     import fsdp_estimate as est
     from _tensor_parallel_plan import mesh_plan, tensor_parallel_plan
 
-    from lightning_dash.distributed.row_exchange import exchange_for
+    from lightning_dash.distributed.piece_exchange import exchange_for
 
     config = small_qwen3(est, layers=1)
     named = est.qwen3_parameters(config)

@@ -10,7 +10,7 @@ whatever the world size), so gradient pieces go to owners and update pieces come
 in one ``all_to_all`` each, in an order both sides agree on without any metadata.
 
 Each side moves its pieces with one gather or scatter over one flat tensor: a holder
-over its rectangles of every blocked parameter, end to end (:attr:`RowExchange.held`),
+over its rectangles of every blocked parameter, end to end (:attr:`PieceExchange.held`),
 an owner over its stacks, end to end. Every row of a piece is a run of consecutive
 elements on both sides, so a side's whole part is a list of runs (:class:`Runs`), kept
 per layout (two integers a run); the element positions are expanded from it for one
@@ -137,7 +137,7 @@ def _runs_of_rectangles(bases: list[int], heights: list[int], steps: list[int], 
 
 
 @dataclass
-class RowExchange:
+class PieceExchange:
     """One rank's side of the exchange.
 
     ``gradients_out[r]``: the gradient pieces this rank sends to owner ``r``;
@@ -247,7 +247,7 @@ class RowExchange:
         return sum(out) - out[self.rank] + sum(back) - back[self.rank]
 
 
-def exchange_for(gradients: list[Piece], updates: list[Piece], rank: int, holdings: Holdings) -> RowExchange:
+def exchange_for(gradients: list[Piece], updates: list[Piece], rank: int, holdings: Holdings) -> PieceExchange:
     """The side of ``rank`` of the exchange of these pieces (see :func:`plan_pieces`; the
     pieces of every rank, or only those ``rank`` sends or receives)."""
     world_size = holdings.world_size
@@ -263,7 +263,7 @@ def exchange_for(gradients: list[Piece], updates: list[Piece], rank: int, holdin
             updates_out[piece.holder].append(piece)
         if piece.holder == rank:
             updates_in[piece.owner].append(piece)
-    return RowExchange(rank, gradients_out, gradients_in, updates_out, updates_in, holdings)
+    return PieceExchange(rank, gradients_out, gradients_in, updates_out, updates_in, holdings)
 
 
 def matrix_views(regions: list[Region], params: list[Tensor]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
@@ -295,7 +295,7 @@ def holder_preferences(regions: list[Region], holdings: Holdings) -> list[int | 
 
 def plan_rank(
     regions: list[Region], params: list[Tensor], owners: list[int], holdings: Holdings, rank: int
-) -> tuple[list[list[StackPlan]], RowExchange]:
+) -> tuple[list[list[StackPlan]], PieceExchange]:
     """Every rank's stacks given each tile's owner, and ``rank``'s side of the exchange
     (built from only the pieces it sends or receives)."""
     world_size = holdings.world_size

@@ -1,6 +1,7 @@
-"""Which block rows each rank sends under FSDP2 (``lightning_dash.distributed.row_exchange``),
-against a brute-force reference that asks every rank for its rows with ``torch.chunk`` (how
-FSDP2 cuts dim 0), on matrices, expert stacks and dimensions smaller than the world size."""
+"""Which block pieces each rank sends (``lightning_dash.distributed.piece_exchange``): FSDP2's
+rows against a brute-force reference that asks every rank for its rows with ``torch.chunk``
+(how FSDP2 cuts dim 0), on matrices, expert stacks and dimensions smaller than the world size;
+tensor parallelism's rectangles and replicas."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from lightning_dash.distributed.assignment import lpt_assign
 from lightning_dash.distributed.block_exchange import split_by_owner
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings
-from lightning_dash.distributed.row_exchange import Piece, Runs, exchange_for, plan_pieces
+from lightning_dash.distributed.piece_exchange import Piece, Runs, exchange_for, plan_pieces
 from lightning_dash.optim.stacks.blocks import MatrixView, matrix_shape
 from lightning_dash.optim.stacks.layout import matrix_regions, stacks_by_placement
 

@@ -164,6 +164,9 @@ def test_options_are_checked_when_the_strategy_is_built():
         DashFabricStrategy(blok_size=8)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['find_unused_parameters'\]"):
         DashFabricFSDPStrategy(find_unused_parameters=True)
+    assert DashFabricFSDPStrategy(micro_group_mib=64).conversion.micro_group_mib == 64.0
+    with pytest.raises(ValueError, match="micro_group_mib applies where parameters are sharded"):
+        DashFabricStrategy(micro_group_mib=64)
 
 
 # Training, parity and checkpoints

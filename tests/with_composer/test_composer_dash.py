@@ -210,6 +210,11 @@ def test_bad_options_name_the_argument(options: dict, error: type, name: str) ->
         Dash(**options)
 
 
+def test_a_micro_group_budget_without_fsdp2_is_refused_at_init() -> None:
+    with pytest.raises(ValueError, match="micro_group_mib applies where parameters are sharded"):
+        make_trainer("classifier", "1ba", algorithm_options={**DASH_OPTIONS, "micro_group_mib": 64})
+
+
 def test_unknown_option_is_rejected() -> None:
     with pytest.raises(TypeError, match="blocksize"):
         Dash(blocksize=3)

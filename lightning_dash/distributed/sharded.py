@@ -204,7 +204,7 @@ class ShardedDistributor(ProcessGroupDistributor):
             frequencies=[frequency for _, frequency in tiles],
             preferred=holder_preferences(regions, holdings),
         )
-        sizes = {i: torch.empty(0, dtype=working_dtype(p)).element_size() for i, p in enumerate(params)}
+        sizes = {i: working_dtype(p).itemsize for i, p in enumerate(params)}
         footprints = [2 * t.block_shape[0] * t.block_shape[1] * sizes[t.param_index] for t, _ in tiles]
         capacity = None if self.micro_group_mib is None else capacity_bytes(self.micro_group_mib)
         groups = assign_micro_groups([self._costs[key] for key in keys], owners, footprints, capacity)

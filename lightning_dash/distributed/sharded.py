@@ -101,7 +101,7 @@ class _RankExchange:
         return list(range(self.first, self.first + len(self.plans)))
 
 
-class _RowUpdates:
+class _HeldUpdates:
     """The update rows this rank holds, received from the blocks' owners and scattered
     into a flat tensor laid out as its shards end to end (:attr:`PieceExchange.held`)."""
 
@@ -243,7 +243,7 @@ class ShardedDistributor(ProcessGroupDistributor):
         self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * send.element_size()
         return _Pending(received, work)
 
-    def exchange_blocks(self, plans: list[StackPlan], params: list[Tensor], compute: ComputeUpdates) -> _RowUpdates:
+    def exchange_blocks(self, plans: list[StackPlan], params: list[Tensor], compute: ComputeUpdates) -> _HeldUpdates:
         """Gather each micro-group's block gradients on their owners, let ``compute`` turn them
         into updates, and send those back to the ranks that hold the blocks' pieces; the next
         micro-group's gradients travel while the current one is computed. One gather before
@@ -267,7 +267,7 @@ class ShardedDistributor(ProcessGroupDistributor):
             del stacks
             rows = self._send_updates(group, updates, received_updates.dtype).wait()
             received_updates.index_copy_(0, group.update_receive.positions(), rows)
-        return _RowUpdates(held, received_updates)
+        return _HeldUpdates(held, received_updates)
 
     def _send_gradients(self, group: _RankExchange, flat_grads: Tensor) -> _Pending:
         send = flat_grads.index_select(0, group.gradient_send.positions())

@@ -9,6 +9,7 @@ same order with the same metadata.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,7 +147,7 @@ def gather_gradients(plans: list[StackPlan], params: list[Tensor]) -> list[Tenso
     return stacks
 
 
-class WholeParameters:
+class WholeParameters(ABC):
     """The :class:`BlockDistributor` methods of ranks that hold whole parameters and
     identical gradients (one process, or DDP after its all-reduce)."""
 
@@ -165,9 +166,9 @@ class WholeParameters:
         """Every stack at once: the gradients are already here, whole."""
         return self.share_updates(compute(list(range(len(plans))), gather_gradients(plans, params)))
 
+    @abstractmethod
     def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:
         """Every rank's block updates, from this rank's (collective where blocks have several owners)."""
-        raise NotImplementedError
 
     def reduce_max(self, values: Tensor) -> Tensor:
         return values

@@ -44,10 +44,9 @@ from lightning_dash.integration.fsdp_sharding import (
 from lightning_dash.integration.namespaces import FSDP_LAUNCHERS, register_each
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
-from lightning_dash.integration.trainer_options import fsdp_options
+from lightning_dash.integration.trainer_options import check_start_method, fsdp_options
 from lightning_dash.optim import DASH
 from lightning_dash.optim.stacks import param_names
-from lightning_dash.optim.validation import check_choice
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -147,7 +146,7 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         )
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion
-        self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
+        self.start_method = check_start_method(start_method)
         #: Each module set up, with the names its parameters had before sharding.
         self._set_up: list[tuple[ParameterNames, Module]] = []
 

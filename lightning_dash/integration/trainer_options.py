@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_dash.optim.config import OPTION_NAMES
+from lightning_dash.optim.validation import check_choice
 
 #: Keywords of FSDP strategies (and of FSDP2's ``fully_shard``) that mean sharded training, refused by the
 #: data-parallel strategies also where DDP takes them in another sense (``mixed_precision``, ``device_mesh``).
@@ -32,6 +33,17 @@ SHARDING_OPTIONS = frozenset(
         "save_distributed_checkpoint",
     }
 )
+
+
+#: How a strategy may start its processes. Not ``"forkserver"``: Lightning's launcher copies the module out of
+#: shared memory only under ``"spawn"``, so under a fork server every CPU rank would step one shared copy of the
+#: parameters (plain ``DDPStrategy(start_method="forkserver")`` trains wrong on CPU too).
+START_METHODS = ("popen", "spawn", "fork")
+
+
+def check_start_method(value: str) -> str:
+    """``value`` if it is one of :data:`START_METHODS`, else ``ValueError`` naming ``start_method``."""
+    return check_choice("start_method", value, START_METHODS)
 
 
 def _parameters(functions: Iterable[Callable[..., Any]]) -> set[str]:
@@ -55,8 +67,9 @@ def check_data_parallel_options(
     use_instead: str,
 ) -> None:
     """Refuse a sharding keyword (one of :data:`SHARDING_OPTIONS`, or one only the ``sharded`` strategies'
-    constructors take), pointing to ``use_instead``, and then a keyword none of ``takes`` accepts. A value
-    of None is "not given" (LightningCLI passes every argument so)."""
+    constructors take), pointing to ``use_instead``, then a keyword none of ``takes`` accepts, then a
+    ``start_method`` outside :data:`START_METHODS`. A value of None is "not given" (LightningCLI passes
+    every argument so)."""
     known = _parameters(takes)
     sharding_names = SHARDING_OPTIONS | (_parameters(sharded) - known)
     sharding = sorted(name for name in sharding_names.intersection(options) if options[name] is not None)
@@ -66,6 +79,8 @@ def check_data_parallel_options(
             f"use {use_instead}"
         )
     _refuse_unknown(options, strategy, known)
+    if options.get("start_method") is not None:
+        check_start_method(options["start_method"])
 
 
 def fsdp_options(options: dict[str, Any], strategy: str, base: Callable[..., Any]) -> dict[str, Any]:

@@ -39,9 +39,8 @@ from lightning_dash.integration.optimizer_swap import swap_optimizers
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load_model, load_optimizer, name_parameters
 from lightning_dash.integration.traffic import fsdp_bytes_per_step
-from lightning_dash.integration.trainer_options import fsdp_options
+from lightning_dash.integration.trainer_options import check_start_method, fsdp_options
 from lightning_dash.optim import DASH
-from lightning_dash.optim.validation import check_choice
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):
@@ -113,7 +112,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = conversion
         self.shard_modules = tuple(shard_modules) if shard_modules else None
-        self.start_method = check_choice("start_method", start_method, ("popen", "spawn", "fork"))
+        self.start_method = check_start_method(start_method)
         #: FSDP2's gradient and parameter traffic per step (from the collectives' sizes) and
         #: the bytes DASH's block exchanges sent, for this rank.
         self.comm_stats = CommStats()

@@ -30,7 +30,7 @@ from pytorch_lightning.demos.boring_classes import BoringModel as StandaloneBori
 from torch import nn
 
 import lightning_dash
-from lightning_dash import DASH, DashStrategy
+from lightning_dash import DASH, DashFabricFSDPStrategy, DashFabricStrategy, DashFSDPStrategy, DashStrategy
 from lightning_dash.integration.namespaces import register_strategies, standalone_module
 
 
@@ -111,6 +111,18 @@ def test_ddp_options_are_still_taken():
 def test_sharding_options_left_at_none_are_not_refused():
     # LightningCLI passes every DDP argument, DistributedDataParallel's mixed_precision and device_mesh as None.
     assert DashStrategy(mixed_precision=None, device_mesh=None).conversion.overrides == {}
+
+
+STRATEGY_CLASSES = [DashStrategy, DashFSDPStrategy, DashFabricStrategy, DashFabricFSDPStrategy]
+
+
+@pytest.mark.parametrize("strategy_class", STRATEGY_CLASSES, ids=lambda cls: cls.__name__)
+def test_a_fork_server_is_refused_by_name_and_every_other_start_method_is_taken(strategy_class):
+    # Under a fork server Lightning leaves a CPU module in shared memory: every rank would step one copy.
+    with pytest.raises(ValueError, match=r"start_method must be one of \('popen', 'spawn', 'fork'\), got 'forkserver'"):
+        strategy_class(start_method="forkserver")
+    for start_method in ("popen", "spawn", "fork"):
+        assert strategy_class(start_method=start_method, block_size=8).conversion.overrides == {"block_size": 8}
 
 
 # Parameters without gradients (find_unused_parameters)

@@ -87,7 +87,7 @@ bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 bench-peers: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
 	$(PY) benchmarks/peers.py
 
-# The model-family suite (benchmarks/families.py): eight unchanged LightningModules with their AdamW recipes,
+# The model-family suite (benchmarks/families.py): nine unchanged LightningModules with their AdamW recipes,
 # AdamW's lr tuned per family, then strategy="dash" at it, 2 seeds; about 40 minutes on 2 idle CPU cores.
 bench-families: $(VENV)/.installed
 	$(PY) benchmarks/families.py --timing 1

@@ -1,8 +1,9 @@
 """Model-family suite: AdamW against ``strategy="dash"`` on unchanged LightningModules.
 
 Every family of :mod:`family_models` (a CNN on images, a GRU, GPT pretraining, GPT fine-tuning
-from a checkpoint, a residual MLP on tabular data, an embedding-heavy bag-of-words classifier,
-a mixture-of-experts transformer with 3-D expert weights, a Hugging Face GPT-2) is a
+from a checkpoint, a residual MLP on tabular data of 350 and of 3,500 rows, an embedding-heavy
+bag-of-words classifier, a mixture-of-experts transformer with 3-D expert weights, a Hugging Face
+GPT-2) is a
 LightningModule whose ``configure_optimizers`` returns AdamW with warm-up + cosine. It is
 trained through ``lightning.Trainer`` twice per seed: once as it is, once with
 ``strategy=DashStrategy(**variant)`` added (``{}``: DASH's defaults), nothing else changed.
@@ -385,6 +386,8 @@ def plot(records: list[dict], rows: list[dict], path: Path) -> Path | None:
         axis.set_ylabel("validation loss")
         axis.set_yscale("log")
         axis.legend(fontsize=7)
+    for axis in list(getattr(axes, "flat", [axes]))[len(families) :]:
+        axis.set_visible(False)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=90)

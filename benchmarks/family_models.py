@@ -5,7 +5,8 @@ Each family is a real :class:`lightning.pytorch.LightningModule` whose
 decay (:func:`lightning_dash.showcase.lightning_gpt.warmup_cosine`), as user code does, and
 its data, built from what is on the machine: the Python standard library's source, the
 English text of Python's own help topics (``pydoc_data.topics``), and the data sets that
-ship inside scikit-learn (handwritten digits, diabetes). Nothing is downloaded.
+ship inside scikit-learn (handwritten digits, diabetes) or that it generates (Friedman #1). Nothing is
+downloaded.
 
 A family gives the model's weights from ``seed`` and the order of its training batches from
 ``seed`` too, so AdamW and DASH on one seed start from the same weights and see the same
@@ -271,19 +272,33 @@ def digits() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     return (x[train], y[train]), (x[val], y[val])
 
 
-@functools.cache
-def diabetes() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    from sklearn.datasets import load_diabetes
-
-    features, target = load_diabetes(return_X_y=True)
+def tabular_split(features, target, train_rows: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Rows shuffled with a fixed seed, the first ``train_rows`` for training; features and target
+    standardised with the training rows' statistics."""
     x = torch.tensor(features, dtype=torch.float32)
     y = torch.tensor(target, dtype=torch.float32).view(-1, 1)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    train, val = order[:350], order[350:]
+    train, val = order[:train_rows], order[train_rows:]
     mean, std = x[train].mean(0), x[train].std(0)
     y_mean, y_std = y[train].mean(), y[train].std()
     scale = lambda rows: ((x[rows] - mean) / std, (y[rows] - y_mean) / y_std)  # noqa: E731
     return scale(train), scale(val)
+
+
+@functools.cache
+def diabetes() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    from sklearn.datasets import load_diabetes
+
+    return tabular_split(*load_diabetes(return_X_y=True), train_rows=350)
+
+
+@functools.cache
+def friedman() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Friedman's first regression problem as scikit-learn generates it: 10 features, of which 5 are
+    noise, and a noise of 1 on the target; 3,500 training rows (ten times the diabetes data's)."""
+    from sklearn.datasets import make_friedman1
+
+    return tabular_split(*make_friedman1(n_samples=4500, n_features=10, noise=1.0, random_state=0), train_rows=3500)
 
 
 #: Top-level packages of the standard library whose source the bag-of-words model tells apart.
@@ -421,6 +436,7 @@ ROWS = (
     ("gpt", gpt, cross_entropy, lambda: stdlib(8192), 32, 200, LRS_MID, LM, None),
     ("finetune", gpt, cross_entropy, lambda: english(4096), 32, 100, LRS_LOW, LM, load_pretrained),
     ("mlp", lambda: ResidualMLP(10), mean_squared_error, diabetes, 32, 150, LRS_LOW, ADAM, None),
+    ("mlp_friedman", lambda: ResidualMLP(10), mean_squared_error, friedman, 32, 150, LRS_LOW, ADAM, None),
     ("embedding", bag_of_words, cross_entropy, lambda: stdlib_chunks(2048), 64, 150, LRS_HIGH, ADAM, None),
     ("moe", ByteMoE, cross_entropy, lambda: stdlib(8192), 32, 150, LRS_MID, LM, None),
     ("hf_gpt2", lambda: tiny_gpt2(CONTEXT), cross_entropy, lambda: english(8192), 32, 150, LRS_MID, LM, None),
@@ -431,6 +447,7 @@ DESCRIPTIONS = {
     "gpt": "byte-level GPT pretraining on stdlib source (the demo's model, width 64)",
     "finetune": "the GPT pretrained on stdlib source, fine-tuned on English text",
     "mlp": "residual LayerNorm MLP, tabular regression on scikit-learn's diabetes data (val MSE)",
+    "mlp_friedman": "the same MLP on ten times the rows: scikit-learn's Friedman #1 regression (val MSE)",
     "embedding": "EmbeddingBag over 2048 hashed identifiers: which stdlib package a code chunk is from",
     "moe": "byte-level transformer with top-2 mixture-of-experts layers (3-D expert weights)",
     "hf_gpt2": "Hugging Face transformers GPT-2 from a tiny config (tied embeddings), English text",

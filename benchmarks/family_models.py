@@ -5,8 +5,8 @@ Each family is a real :class:`lightning.pytorch.LightningModule` whose
 decay (:func:`lightning_dash.showcase.lightning_gpt.warmup_cosine`), as user code does, and
 its data, built from what is on the machine: the Python standard library's source, the
 English text of Python's own help topics (``pydoc_data.topics``), and the data sets that
-ship inside scikit-learn (handwritten digits, diabetes) or that it generates (Friedman #1). Nothing is
-downloaded.
+ship inside scikit-learn (handwritten digits, diabetes) or that it generates (Friedman #1).
+Nothing is downloaded.
 
 A family gives the model's weights from ``seed`` and the order of its training batches from
 ``seed`` too, so AdamW and DASH on one seed start from the same weights and see the same
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from numpy.typing import ArrayLike
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -272,7 +273,9 @@ def digits() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     return (x[train], y[train]), (x[val], y[val])
 
 
-def tabular_split(features, target, train_rows: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def tabular_split(
+    features: ArrayLike, target: ArrayLike, train_rows: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """Rows shuffled with a fixed seed, the first ``train_rows`` for training; features and target
     standardised with the training rows' statistics."""
     x = torch.tensor(features, dtype=torch.float32)

@@ -102,8 +102,8 @@ class _RankExchange:
 
 
 class _HeldUpdates:
-    """The update rows this rank holds, received from the blocks' owners and scattered
-    into a flat tensor laid out as its shards end to end (:attr:`PieceExchange.held`)."""
+    """The update pieces this rank holds, received from the blocks' owners and scattered
+    into a flat tensor laid out as its rectangles end to end (:attr:`PieceExchange.held`)."""
 
     def __init__(self, held: dict[int, tuple[int, int]], flat: Tensor) -> None:
         self.held = held

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_dash.optim.precision import MATMUL_PRECISIONS
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
 from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
 from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
@@ -197,6 +198,14 @@ class DashConfig:
         "float32",
         "dtype of the solver matmuls: float32, bfloat16 or float16 (a torch.dtype also works)",
         _matmul_dtype,
+    )
+    matmul_precision: str = _option(
+        "auto",
+        "how the float32 matmuls of a step run (factor statistics, the preconditioned direction, and the Newton "
+        "roots when matmul_dtype is float32): float32 (IEEE); tf32 (one TF32 tensor-core product: fastest, ~100x "
+        "float32's roundoff sensitivity); tf32x3 (three TF32 products of split operands: float32's accuracy on tensor "
+        "cores); auto (tf32x3 on CUDA, float32 elsewhere). TF32 is emulated off CUDA; state stays float32",
+        _one_of(MATMUL_PRECISIONS),
     )
     grafting: str = _option(
         "adam",

@@ -8,11 +8,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_dash.optim import precision
+
 INVERSE_ROOT_METHODS = ("eigh", "coupled_newton", "newton_db", "chebyshev")
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: Unit roundoff of each matmul dtype.
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+#: What a solver's matmuls round to: a dtype, or a TF32 precision of float32 operands
+#: (:data:`~lightning_dash.optim.precision.TF32`, :data:`~lightning_dash.optim.precision.TF32X3`).
+MatmulFormat = torch.dtype | str
+TF32, TF32X3 = precision.TF32, precision.TF32X3
+
+#: Unit roundoff of each matmul format.
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    TF32: 2.0 ** -(precision.TF32_MANTISSA_BITS + 1),
+    TF32X3: 2.0**-22,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
 
 #: The Newton solvers lift every eigenvalue of the scaled input to at least this many
 #: units of roundoff of the matmul dtype. Each iteration perturbs near-null directions
@@ -23,7 +37,14 @@ NOISE_FLOOR_UNITS = 8.0
 
 #: Residual ``max|I - product|`` under which a block counts as converged, per matmul dtype.
 #: Each is a few units of roundoff of that dtype times the growth seen in practice.
-DEFAULT_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+DEFAULT_TOLERANCE = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    TF32: 4e-3,
+    TF32X3: 4e-5,
+    torch.bfloat16: 2e-2,
+    torch.float16: 4e-3,
+}
 
 
 @dataclass(frozen=True)
@@ -42,7 +63,9 @@ class RootSettings:
     ``matrix_scaling`` as ``scaling``, ``root_iterations`` as ``iterations``), whose defaults
     live in :class:`~lightning_dash.optim.DashConfig` alone: build one with
     ``DashConfig(...).root_settings``. ``tolerance`` (None: :data:`DEFAULT_TOLERANCE` of the
-    matmul dtype) is the Newton solvers' convergence test.
+    matmul format) is the Newton solvers' convergence test. ``matmul_precision`` is how float32
+    matmuls run (:mod:`lightning_dash.optim.precision`, resolved: never ``"auto"``); it does not
+    apply to other dtypes.
     """
 
     method: str
@@ -53,9 +76,18 @@ class RootSettings:
     chebyshev_degree: int
     relative_epsilon: bool
     tolerance: float | None = None
+    matmul_precision: str = precision.FLOAT32
+
+    @property
+    def matmul_format(self) -> MatmulFormat:
+        """What the solver's matmuls round their operands to: a TF32 precision for float32
+        matmuls that run on tensor cores, else ``matmul_dtype``."""
+        if self.matmul_dtype == torch.float32 and self.matmul_precision in precision.TENSOR_CORE_PRECISIONS:
+            return self.matmul_precision
+        return self.matmul_dtype
 
     def resolved_tolerance(self) -> float:
-        return DEFAULT_TOLERANCE[self.matmul_dtype] if self.tolerance is None else self.tolerance
+        return DEFAULT_TOLERANCE[self.matmul_format] if self.tolerance is None else self.tolerance
 
 
 #: Largest relative error of any eigenvalue of a Newton root that is still accepted.
@@ -74,7 +106,7 @@ def failure_residual(settings: RootSettings) -> float:
     four times the convergence tolerance of the matmul dtype, the residual roundoff alone leaves.
     """
     theory = 1.0 - (1.0 - MAX_ROOT_ERROR) ** settings.root_order
-    return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_dtype])
+    return max(theory, 4.0 * DEFAULT_TOLERANCE[settings.matmul_format])
 
 
 def working_dtype(tensor: Tensor) -> torch.dtype:
@@ -83,9 +115,9 @@ def working_dtype(tensor: Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def noise_floor(dtype: torch.dtype) -> float:
-    """Smallest relative eigenvalue the Newton solvers work with in ``dtype`` (``8 u``)."""
-    return NOISE_FLOOR_UNITS * UNIT_ROUNDOFF[dtype]
+def noise_floor(matmul_format: MatmulFormat) -> float:
+    """Smallest relative eigenvalue the Newton solvers work with in ``matmul_format`` (``8 u``)."""
+    return NOISE_FLOOR_UNITS * UNIT_ROUNDOFF[matmul_format]
 
 
 def spectral_upper_bound(scaling: str) -> float:
@@ -99,12 +131,14 @@ def identity_like(matrices: Tensor) -> Tensor:
     return torch.eye(size, dtype=matrices.dtype, device=matrices.device).expand(n, size, size)
 
 
-def bmm(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
-    """Batched matmul with operands in ``dtype`` (or in the operands' own dtype when that
-    is wider, as for float64 stacks) and a result in the operands' dtype."""
-    if dtype == left.dtype or left.dtype == torch.float64:
+def bmm(left: Tensor, right: Tensor, matmul_format: MatmulFormat) -> Tensor:
+    """Batched matmul with operands in ``matmul_format`` (or in the operands' own dtype when
+    that is wider, as for float64 stacks) and a result in the operands' dtype."""
+    if isinstance(matmul_format, str):
+        return precision.bmm(left, right, matmul_format)
+    if matmul_format == left.dtype or left.dtype == torch.float64:
         return torch.bmm(left, right)
-    return torch.bmm(left.to(dtype), right.to(dtype)).to(left.dtype)
+    return torch.bmm(left.to(matmul_format), right.to(matmul_format)).to(left.dtype)
 
 
 def symmetrize(matrices: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.roots.common import (
+    MatmulFormat,
     RootSettings,
     bmm,
     freeze,
@@ -164,7 +165,7 @@ def _residual(product: Tensor, scale: float, owned: bool) -> Tensor:
 
 
 def _coupled_iteration(
-    matrices: Tensor, root: int, schedule: tuple[float, ...], tolerance: float, dtype: torch.dtype
+    matrices: Tensor, root: int, schedule: tuple[float, ...], tolerance: float, dtype: MatmulFormat
 ) -> tuple[Tensor, Tensor]:
     """``len(schedule)`` coupled Newton steps with scalings ``schedule``; returns
     ``(A^(-1/p), residual)``, the residual ``max|I - c M|`` of the last ``M`` tested.
@@ -204,7 +205,7 @@ def newton_db(matrices: Tensor, settings: RootSettings, floor: float) -> tuple[T
     """``A^(-1/p)`` for p in {2, 4} by one scaled coupled Newton iteration (for p = 2 the
     scaled Newton-Schulz iteration) whose scalings are planned on the host from the spectrum
     bounds ``[floor, upper]``; ``iterations=None`` runs as many as that interval needs."""
-    root, tolerance, dtype = settings.root_order, settings.resolved_tolerance(), settings.matmul_dtype
+    root, tolerance, dtype = settings.root_order, settings.resolved_tolerance(), settings.matmul_format
     upper = spectral_upper_bound(settings.scaling)
     iterations = settings.iterations or planned_scaled_iterations(floor, upper, root)
     lower = _design_lower(upper, iterations, floor, root)
@@ -219,4 +220,4 @@ def coupled_newton(matrices: Tensor, settings: RootSettings, floor: float) -> tu
     """
     root, tolerance = settings.root_order, settings.resolved_tolerance()
     iterations = settings.iterations or planned_coupled_newton_iterations(floor, root, tolerance)
-    return _coupled_iteration(matrices, root, (1.0,) * iterations, tolerance, settings.matmul_dtype)
+    return _coupled_iteration(matrices, root, (1.0,) * iterations, tolerance, settings.matmul_format)

@@ -83,7 +83,7 @@ def spectrum_floor(settings: RootSettings, size: int, min_eps: float | None) -> 
     its smallest at least ``e = eps / (1 + eps)``; power iteration scales by at most 1.1,
     the Frobenius norm by at most ``1 + e sqrt(b)``. Absolute damping gives no bound.
     """
-    floor = noise_floor(settings.matmul_dtype)
+    floor = noise_floor(settings.matmul_format)
     if not settings.relative_epsilon or min_eps is None:
         return floor
     damping = min_eps / (1.0 + min_eps)
@@ -134,7 +134,7 @@ def inverse_root(
         solver_scale = spectral_scale(matrices, settings.scaling)
         scaled = matrices / solver_scale[:, None, None]
         if settings.method != "chebyshev":  # lift the spectrum to the noise floor, in place on the new ``scaled``
-            lift = (noise_floor(settings.matmul_dtype) - eps / solver_scale).clamp_min(0.0)
+            lift = (noise_floor(settings.matmul_format) - eps / solver_scale).clamp_min(0.0)
             scaled.diagonal(dim1=1, dim2=2).add_(lift.unsqueeze(1))
         floor = spectrum_floor(settings, matrices.shape[-1], min_eps)
         if settings.method == "newton_db":

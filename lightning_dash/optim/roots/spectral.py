@@ -38,7 +38,7 @@ def chebyshev(matrices: Tensor, relative_eps: Tensor, settings: RootSettings) ->
     times the scale. Extrapolating above ``high`` grows without bound, so ``high``
     covers the scale's uncertainty: 1 for the Frobenius bound, 1.5 for power iteration.
     """
-    root, degree, dtype = settings.root_order, settings.chebyshev_degree, settings.matmul_dtype
+    root, degree, dtype = settings.root_order, settings.chebyshev_degree, settings.matmul_format
     low = relative_eps.double().clamp_min(chebyshev_floor(degree))
     high = spectral_upper_bound(settings.scaling)
     nodes = torch.arange(degree + 1, device=matrices.device, dtype=torch.float64)

@@ -21,6 +21,8 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_dash.optim import precision
+
 Decay = float | Tensor
 
 
@@ -33,12 +35,13 @@ def _weights(decay: Decay) -> tuple[Decay, Decay]:
 
 
 def accumulate_factors(
-    left: Tensor, right: Tensor, scale: Tensor, grad: Tensor, decay: Decay
+    left: Tensor, right: Tensor, scale: Tensor, grad: Tensor, decay: Decay, matmul_precision: str = "float32"
 ) -> tuple[Tensor, Tensor, Tensor]:
     """New ``(left, right, scale)`` after one gradient stack (inputs are not modified).
 
     ``left`` and ``right`` are the stored factors (``L / s`` and ``R / s``), ``scale``
-    the ``(n,)`` float64 ``s``, ``grad`` the blocks' gradients in the factors' dtype.
+    the ``(n,)`` float64 ``s``, ``grad`` the blocks' gradients in the factors' dtype;
+    ``matmul_precision``: how the products ``G G^T`` and ``G^T G`` run (:mod:`..precision`).
     """
     dtype = left.dtype
     peak = torch.linalg.vector_norm(grad, ord=math.inf, dim=(1, 2))
@@ -50,6 +53,6 @@ def accumulate_factors(
     old_weight = (keep * scale / safe).to(dtype)[:, None, None]
     new_weight = (add * squared / safe).sqrt().to(dtype)[:, None, None]
     unit.mul_(new_weight)
-    left_next = torch.baddbmm(left * old_weight, unit, unit.transpose(1, 2))
-    right_next = torch.baddbmm(right * old_weight, unit.transpose(1, 2), unit)
+    left_next = precision.baddbmm(left * old_weight, unit, unit.transpose(1, 2), matmul_precision)
+    right_next = precision.baddbmm(right * old_weight, unit.transpose(1, 2), unit, matmul_precision)
     return left_next, right_next, new_scale

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dash.optim import precision
 from lightning_dash.optim.stacks.blocks import StackPlan
 from lightning_dash.optim.stacks.layout import Layout, Stack, VectorGroup
 from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
@@ -35,6 +36,7 @@ class UpdateRules:
     bias_correction: bool
     compiled: bool = False
     lr_scale: float = 1.0  # of the grafted Shampoo direction only: vectors and fallbacks step at the lr itself
+    matmul_precision: str = precision.FLOAT32  # of float32 matmuls, resolved (lightning_dash.optim.precision)
 
     @property
     def fallback(self) -> str:
@@ -313,7 +315,7 @@ def advance_blocks(
     """One step of a stack's statistics (pure): new factors, scale, momentum, the
     bias-corrected momentum the step follows, and the grafting second-moment root."""
     decay = beta2.reshape(-1) if isinstance(beta2, Tensor) else beta2
-    left, right, scale = accumulate_factors(left, right, scale, grad, decay)
+    left, right, scale = accumulate_factors(left, right, scale, grad, decay, rules.matmul_precision)
     if uses_second_moment(rules.grafting):
         rms = next_rms(rms, grad, rules.grafting, graft_beta2)
     momentum, followed = next_momentum(rules, momentum, grad, beta1)
@@ -370,7 +372,9 @@ def direct_blocks(
     fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
     if not started:
         return fallback * neg_lr
-    shampoo = torch.bmm(torch.bmm(left_root, followed), right_root)
+    shampoo = precision.bmm(
+        precision.bmm(left_root, followed, rules.matmul_precision), right_root, rules.matmul_precision
+    )
     if rules.grafting != "none":
         shampoo = graft_norm(shampoo, fallback)
     shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo

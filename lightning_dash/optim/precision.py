@@ -1,0 +1,124 @@
+"""How DASH's float32 matrix products run: IEEE float32, or on TF32 tensor cores.
+
+``matmul_precision`` covers every float32 matmul of a step: the factor statistics
+(``G G^T``, ``G^T G``), the preconditioned direction (``L^(-1/p) M R^(-1/p)``) and the
+Newton root iterations (when ``matmul_dtype`` is float32). Statistics, roots and
+momentum are stored in float32 either way; only the operands of the products are
+rounded to TF32's 10-bit mantissa, and the products accumulate in float32.
+
+* ``"float32"``: IEEE float32 products (torch's default on CUDA).
+* ``"tf32"``: one TF32 product (operands rounded to 11 significant bits, about 5e-4):
+  the fastest, but a rounding that flips under a tiny perturbation of its input moves the
+  result by a whole TF32 unit, so training amplifies a 1e-7 change of the gradients about
+  100 times more than in float32 (``benchmarks/roundoff.py``).
+* ``"tf32x3"``: each operand split into a TF32 head and a TF32 tail (``a = h + t``) and the
+  product taken as ``h h' + h t' + t h'`` in three TF32 products: float32's accuracy and
+  roundoff sensitivity (the split is exact, so it is continuous in the input) at about
+  2.5x the plain float32 rate of an H100's tensor cores.
+* ``"auto"``: ``"tf32x3"`` on CUDA devices, ``"float32"`` elsewhere.
+
+On CUDA the step runs with cuBLAS's TF32 mode on and puts the user's setting back
+afterwards. Elsewhere the operands are rounded to TF32 before a float32 product (an
+emulation: the same numerics, slower), so the GPU's arithmetic can be tested on a CPU.
+float64 statistics are never rounded: the TF32 modes apply to float32 operands only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+AUTO = "auto"
+FLOAT32 = "float32"
+TF32 = "tf32"
+TF32X3 = "tf32x3"
+MATMUL_PRECISIONS = (AUTO, FLOAT32, TF32, TF32X3)
+#: The precisions that run on TF32 tensor cores.
+TENSOR_CORE_PRECISIONS = (TF32, TF32X3)
+
+#: Explicit mantissa bits of TF32 (float32 has 23): its unit roundoff is ``2**-11``.
+TF32_MANTISSA_BITS = 10
+_DROPPED_BITS = 23 - TF32_MANTISSA_BITS
+
+
+def resolve(choice: str, device: torch.device) -> str:
+    """The precision ``choice`` means on ``device``: ``"auto"`` is tf32x3 on CUDA, float32 elsewhere."""
+    if choice not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {choice!r}")
+    if choice == AUTO:
+        return TF32X3 if device.type == "cuda" else FLOAT32
+    return choice
+
+
+def round_to_tf32(tensor: Tensor) -> Tensor:
+    """``tensor`` (float32) with each entry rounded to the nearest TF32 value (ties to even),
+    as a float32 tensor; infinities and NaN are kept. A pure function of its input."""
+    bits = tensor.contiguous().view(torch.int32)
+    odd = (bits >> _DROPPED_BITS) & 1
+    half = (1 << (_DROPPED_BITS - 1)) - 1
+    rounded = ((bits + half + odd) & ~((1 << _DROPPED_BITS) - 1)).view(torch.float32)
+    return torch.where(torch.isfinite(tensor), rounded, tensor)
+
+
+def _tf32_operand(tensor: Tensor) -> Tensor:
+    """What a TF32 product reads of ``tensor``: itself on CUDA (the tensor cores round), its
+    TF32 rounding elsewhere."""
+    return tensor if tensor.device.type == "cuda" else round_to_tf32(tensor)
+
+
+def _split(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """``(head, tail)``: ``head`` the TF32 rounding of ``tensor``, ``tail = tensor - head`` (exact)."""
+    head = round_to_tf32(tensor)
+    return head, tensor - head
+
+
+def baddbmm(base: Tensor | None, left: Tensor, right: Tensor, matmul_precision: str) -> Tensor:
+    """``base + left @ right`` per block (``base`` None: the product alone), the product run at
+    ``matmul_precision`` (``"float32"``, ``"tf32"`` or ``"tf32x3"``; not ``"auto"``). Operands
+    other than float32 (float64 stacks) take an IEEE product whatever the precision; on CUDA
+    the TF32 modes need :func:`tf32_matmuls` around the call."""
+    if matmul_precision == FLOAT32 or left.dtype != torch.float32:
+        return torch.bmm(left, right) if base is None else torch.baddbmm(base, left, right)
+    if matmul_precision == TF32:
+        left, right = _tf32_operand(left), _tf32_operand(right)
+        return torch.bmm(left, right) if base is None else torch.baddbmm(base, left, right)
+    if matmul_precision != TF32X3:
+        raise ValueError(f"no product at matmul_precision {matmul_precision!r}")
+    (left_head, left_tail), (right_head, right_tail) = _split(left), _split(right)
+    small = torch.bmm(_tf32_operand(left_tail), right_head)  # heads are TF32 values already
+    small = torch.baddbmm(small, left_head, _tf32_operand(right_tail))
+    if base is not None:
+        small = small + base
+    return torch.baddbmm(small, left_head, right_head)
+
+
+def bmm(left: Tensor, right: Tensor, matmul_precision: str) -> Tensor:
+    """``left @ right`` per block at ``matmul_precision`` (see :func:`baddbmm`)."""
+    return baddbmm(None, left, right, matmul_precision)
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """Run CUDA float32 matmuls on TF32 tensor cores inside the block when ``enabled``, and
+    put the process's setting back afterwards, whichever of torch's two APIs set it."""
+    if not enabled or not torch.cuda.is_available():
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; reading the legacy flag could raise
+        saved = matmul.fp32_precision
+        matmul.fp32_precision = TF32
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = saved
+        return
+    saved_flag = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved_flag

@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs in one call, from the repository root: the CUDA tests, then the
-# micro-group, async-overlap and step-time benchmarks on CUDA (docs/benchmarks.md, "On an H100",
-# has the results). Uses the machine's own python3 and torch; results go to $OUT (default
-# benchmarks/results). Each part has its own time limit, so one that hangs costs only its own;
-# about four minutes on an H100. eigh at f = 1 takes 3 s a step there: it is left out.
+# What a lent GPU machine runs in one call, from the repository root, in at most ~9 minutes on one H100:
+# 1. gpu_step.py: DASH's optimizer step on GPT-2 124M's shapes at each matmul precision (time split into
+#    refresh and plain steps, roofline, state memory, accuracy against float64, the kernel table);
+# 2. roundoff.py on CUDA: how far a 1e-7 gradient perturbation moves training at each precision;
+# 3. gpu_race.py: wall time to AdamW's loss on a GPT-2-small-shaped byte model under bf16 autocast,
+#    DASH (defaults, from AdamW's tuned lr) against AdamW, Muon and Meta's Distributed Shampoo;
+# 4. the CUDA tests of the optimizer; 5. state_memory.py on CUDA.
+# Uses the machine's python3 and torch, nothing from a package index. Meta's Distributed Shampoo comes
+# from .device/site (benchmarks/prepare_device.sh copies it there, with the commit this tree is at).
+# Results go to $OUT (default benchmarks/results). Each part has its own time limit, so one that hangs
+# costs only its own.
 set -uo pipefail
 out=${OUT:-$PWD/benchmarks/results}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/.device/site PYTHONUNBUFFERED=1
+export DASH_COMMIT=${DASH_COMMIT:-$(cat .device/commit 2>/dev/null)}
 nvidia-smi -L
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda tests/optim tests/distributed 2>&1 | tail -5
+python3 -c "import distributed_shampoo; print('distributed_shampoo importable')" || echo "no distributed_shampoo"
 cd benchmarks
-timeout 110 python3 micro_groups.py --device cuda --out "$out"
-timeout 120 python3 async_overlap.py --device cuda --output "$out/async_overlap_cuda.json"
-timeout 100 python3 async_overlap.py --device cuda --frequencies 10 --max-staleness 3 \
-  --output "$out/async_overlap_cuda_staleness3.json"
-timeout 120 python3 step_time.py --device cuda --model gpt2-125m --solvers newton_db --block-sizes 1024 \
-  --dtypes float32 bfloat16 --no-third-party --no-loop --out "$out"
+timeout 100 python3 gpu_step.py --device cuda --profile --out "$out" 2>&1 | grep -v USDT
+timeout 40 python3 roundoff.py --device cuda --matmul-precisions float32 tf32 tf32x3 --methods newton_db \
+  --steps 10 --out "$out/roundoff_cuda.json"
+timeout 270 python3 gpu_race.py --device cuda --run-budget-s 75 --out "$out"
+cd ..
+timeout 90 python3 -m pytest -q -p no:cacheprovider -m cuda tests/optim 2>&1 | tail -5
+cd benchmarks
+timeout 45 python3 state_memory.py --device cuda --out "$out"

@@ -29,6 +29,7 @@ Output: ``<out>/gpu_step_<device>.json``, a list of records with ``device`` (as 
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import sys
@@ -90,6 +91,7 @@ def measure_case(
     build: Callable[[], torch.optim.Optimizer], warmup: int, device: torch.device
 ) -> tuple[list[float], list[bool], int | None, int | None]:
     """One round: (step ms, whether each step refreshed roots, allocator growth, DASH's own count)."""
+    gc.collect()  # an earlier case's optimizer (DASH holds reference cycles) must not count here
     synchronize(device)
     before = allocated(device)
     optimizer = build()
@@ -217,7 +219,7 @@ def record(name: str, runs: list, args: Any, device: torch.device, count: int) -
         "params": count,
         "optimizer": "dash" if is_dash else "adamw",
         "case": name,
-        "matmul_precision": resolve_precision(name.split("_")[1], device) if is_dash else None,
+        "matmul_precision": resolve_precision(name.split("_")[1]) if is_dash else None,
         "compile": name.endswith("_compiled"),
         "block_size": BLOCK_SIZE if is_dash else None,
         "precondition_frequency": FREQUENCY if is_dash else None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dash.optim.precision import MATMUL_PRECISIONS
+from lightning_dash.optim.precision import resolve as resolve_matmul_precision
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
 from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
 from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
@@ -204,7 +205,8 @@ class DashConfig:
         "how the float32 matmuls of a step run (factor statistics, the preconditioned direction, and the Newton "
         "roots when matmul_dtype is float32): float32 (IEEE); tf32 (one TF32 tensor-core product: fastest, ~100x "
         "float32's roundoff sensitivity); tf32x3 (three TF32 products of split operands: float32's accuracy on tensor "
-        "cores); auto (tf32x3 on CUDA, float32 elsewhere). TF32 is emulated off CUDA; state stays float32",
+        "cores, but slower than float32 while its split runs eager); auto (float32: measured the best safe choice on "
+        "an H200). TF32 is emulated off CUDA; state stays float32",
         _one_of(MATMUL_PRECISIONS),
     )
     grafting: str = _option(
@@ -283,6 +285,7 @@ class DashConfig:
             iterations=self.root_iterations,
             chebyshev_degree=self.chebyshev_degree,
             relative_epsilon=self.relative_epsilon,
+            matmul_precision=resolve_matmul_precision(self.matmul_precision),
         )
 
 

@@ -16,8 +16,6 @@ from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_g
 from lightning_dash.optim.conversion import converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
 from lightning_dash.optim.layout_keeper import LayoutKeeper
-from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, tf32_matmuls
-from lightning_dash.optim.precision import resolve as resolve_matmul_precision
 from lightning_dash.optim.roots import RootSettings
 from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
 from lightning_dash.optim.routing import ParameterRouting
@@ -124,17 +122,7 @@ class DASH(torch.optim.Optimizer):
     @property
     def root_settings(self) -> RootSettings:
         """How the inverse roots are computed (from the options, with "auto" resolved)."""
-        return dataclasses.replace(
-            self._config.root_settings,
-            method=self.inverse_root_method_in_use,
-            matmul_precision=self.matmul_precision_in_use,
-        )
-
-    @property
-    def matmul_precision_in_use(self) -> str:
-        """How the step's float32 matmuls run on the parameters' device: the option, or what
-        ``"auto"`` picks there (``"tf32x3"`` on CUDA, ``"float32"`` elsewhere)."""
-        return resolve_matmul_precision(self._config.matmul_precision, self._device())
+        return dataclasses.replace(self._config.root_settings, method=self.inverse_root_method_in_use)
 
     @property
     def inverse_root_method_in_use(self) -> str:
@@ -287,18 +275,8 @@ class DASH(torch.optim.Optimizer):
             return loss
         advance_steps(self.state, layout, active, 1)
         try:
-            matmul_precision = self.matmul_precision_in_use
-            rules = UpdateRules(
-                self.grafting,
-                self.nesterov,
-                self.bias_correction,
-                self._config.compile,
-                self.lr_scale,
-                matmul_precision,
-            )
-            on_tensor_cores = matmul_precision in TENSOR_CORE_PRECISIONS and self._device().type == "cuda"
-            with tf32_matmuls(on_tensor_cores):
-                verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._keeper.distributor)
+            rules = UpdateRules.of(self.config)
+            verdict = step_on_device(layout, active, self.param_groups, rules, self.roots, self._keeper.distributor)
         except BaseException:
             advance_steps(self.state, layout, active, -1)
             raise

@@ -12,10 +12,14 @@ rounded to TF32's 10-bit mantissa, and the products accumulate in float32.
   result by a whole TF32 unit, so training amplifies a 1e-7 change of the gradients about
   100 times more than in float32 (``benchmarks/roundoff.py``).
 * ``"tf32x3"``: each operand split into a TF32 head and a TF32 tail (``a = h + t``) and the
-  product taken as ``h h' + h t' + t h'`` in three TF32 products: float32's accuracy and
-  roundoff sensitivity (the split is exact, so it is continuous in the input) at about
-  2.5x the plain float32 rate of an H100's tensor cores.
-* ``"auto"``: ``"tf32x3"`` on CUDA devices, ``"float32"`` elsewhere.
+  product taken as ``h h' + h t' + t h'`` in three TF32 products: within a few float32 units of
+  float32's accuracy, and float32's roundoff sensitivity (the split is exact, so it is
+  continuous in the input); on paper 2.5x
+  an H100's float32 rate, in practice limited by the split's elementwise passes.
+* ``"auto"``: ``"float32"`` everywhere, as measured: on an H200 one TF32 product made the step
+  2.4x faster than float32 but fails the roundoff bar (1.8e-3 of the movement against 1e-4), and
+  tf32x3 passes it (1.8e-5) but its eager split passes made the step 1.7x slower than float32
+  (docs/benchmarks.md, "On one GPU").
 
 On CUDA the step runs with cuBLAS's TF32 mode on and puts the user's setting back
 afterwards. Elsewhere the operands are rounded to TF32 before a float32 product (an
@@ -42,15 +46,14 @@ TENSOR_CORE_PRECISIONS = (TF32, TF32X3)
 #: Explicit mantissa bits of TF32 (float32 has 23): its unit roundoff is ``2**-11``.
 TF32_MANTISSA_BITS = 10
 _DROPPED_BITS = 23 - TF32_MANTISSA_BITS
+_HEAD_MASK = -(1 << _DROPPED_BITS)  # keeps the sign, the exponent and TF32's mantissa bits
 
 
-def resolve(choice: str, device: torch.device) -> str:
-    """The precision ``choice`` means on ``device``: ``"auto"`` is tf32x3 on CUDA, float32 elsewhere."""
+def resolve(choice: str) -> str:
+    """The precision ``choice`` stands for (``"auto"``: float32, the measured choice on every device so far)."""
     if choice not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {choice!r}")
-    if choice == AUTO:
-        return TF32X3 if device.type == "cuda" else FLOAT32
-    return choice
+    return FLOAT32 if choice == AUTO else choice
 
 
 def round_to_tf32(tensor: Tensor) -> Tensor:
@@ -70,8 +73,10 @@ def _tf32_operand(tensor: Tensor) -> Tensor:
 
 
 def _split(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    """``(head, tail)``: ``head`` the TF32 rounding of ``tensor``, ``tail = tensor - head`` (exact)."""
-    head = round_to_tf32(tensor)
+    """``(head, tail)``: ``head`` is ``tensor`` cut to TF32's mantissa (one bitwise pass: cheaper
+    than rounding on the GPU, where the split's passes cost more than its products), ``tail =
+    tensor - head`` exactly, at most ``2**-10`` of ``tensor``."""
+    head = torch.bitwise_and(tensor.contiguous().view(torch.int32), _HEAD_MASK).view(torch.float32)
     return head, tensor - head
 
 

@@ -108,10 +108,9 @@ def test_the_users_tf32_setting_is_put_back(user_setting, monkeypatch):
         torch.set_float32_matmul_precision(saved)
 
 
-def test_auto_is_split_tf32_on_cuda_and_float32_elsewhere():
-    assert precision.resolve("auto", torch.device("cuda")) == "tf32x3"
-    assert precision.resolve("auto", torch.device("cpu")) == "float32"
-    assert precision.resolve("tf32", torch.device("cpu")) == "tf32"
+def test_auto_stands_for_float32_and_the_others_for_themselves():
+    assert precision.resolve("auto") == "float32"
+    assert [precision.resolve(name) for name in ("float32", "tf32", "tf32x3")] == ["float32", "tf32", "tf32x3"]
 
 
 @pytest.mark.parametrize("value", ["TF32", "bf16", None, 32])
@@ -148,7 +147,7 @@ def test_each_precision_steps_as_its_arithmetic_allows_against_float64():
     float32, split = error(matmul_precision="float32"), error(matmul_precision="tf32x3")
     single = error(matmul_precision="tf32")
     assert float32 < 1e-5
-    assert split < 1e-5
+    assert split < 5e-5  # the truncated split and the dropped tail x tail term: a few float32 units
     # One TF32 product is far coarser: its roots also take TF32's damping floor (8 units, 3.9e-3).
     assert single > 100 * split
     assert torch.equal(
@@ -171,7 +170,7 @@ def test_cuda_tensor_cores_compute_what_the_emulation_does():
 
     split = trained(torch.float32, device="cuda", matmul_precision="tf32x3")
     single = trained(torch.float32, device="cuda", matmul_precision="tf32")
-    assert distance(split, reference) < 1e-5
-    assert distance(split, trained(torch.float32, matmul_precision="tf32x3")) < 1e-5
+    assert distance(split, reference) < 5e-5
+    assert distance(split, trained(torch.float32, matmul_precision="tf32x3")) < 5e-5
     assert distance(single, reference) > 100 * distance(split, reference)
     assert torch.backends.cuda.matmul.fp32_precision == before

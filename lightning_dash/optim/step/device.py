@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate
+from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, tf32_matmuls
 from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
@@ -41,8 +42,22 @@ def step_on_device(
 ) -> Tensor:
     """Run one step of the ``active`` parameters; returns its verdict vector
     ``[gradient not finite, update not finite, failed roots, longest failure streak]``
-    on the device (see :mod:`.verdict`), the same on every rank."""
+    on the device (see :mod:`.verdict`), the same on every rank. CUDA float32 matmuls run on
+    TF32 tensor cores when ``rules.matmul_precision`` asks for it."""
     device = layout.params[min(active)].device
+    with tf32_matmuls(device.type == "cuda" and rules.matmul_precision in TENSOR_CORE_PRECISIONS):
+        return _step(layout, active, groups, rules, roots, distributor, device)
+
+
+def _step(
+    layout: Layout,
+    active: set[int],
+    groups: list[dict[str, Any]],
+    rules: UpdateRules,
+    roots: RootRefresher,
+    distributor: BlockDistributor,
+    device: torch.device,
+) -> Tensor:
     due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
     # Side-stream roots swap in before any statistics move (and before blocks are copied out).
     installed = roots.begin_step(layout, due)

@@ -10,18 +10,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lightning_dash.optim import precision
+from lightning_dash.optim.precision import resolve as resolve_matmul_precision
 from lightning_dash.optim.stacks.blocks import StackPlan
 from lightning_dash.optim.stacks.layout import Layout, Stack, VectorGroup
 from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
 from lightning_dash.optim.stacks.uploads import upload, upload_runs
+from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
+
+if TYPE_CHECKING:
+    from lightning_dash.optim.config import DashConfig
 
 #: A value per block: a float when every block agrees, else a vector.
 PerBlock = float | Tensor
@@ -37,6 +42,18 @@ class UpdateRules:
     compiled: bool = False
     lr_scale: float = 1.0  # of the grafted Shampoo direction only: vectors and fallbacks step at the lr itself
     matmul_precision: str = precision.FLOAT32  # of float32 matmuls, resolved (lightning_dash.optim.precision)
+
+    @classmethod
+    def of(cls, config: DashConfig) -> UpdateRules:
+        """The rules ``config`` sets (its matmul precision resolved)."""
+        return cls(
+            config.grafting,
+            config.nesterov,
+            config.bias_correction,
+            config.compile,
+            config.lr_scale,
+            resolve_matmul_precision(config.matmul_precision),
+        )
 
     @property
     def fallback(self) -> str:
@@ -381,24 +398,3 @@ def direct_blocks(
     if isinstance(blend, Tensor) or blend != 1.0:
         shampoo = torch.lerp(fallback, shampoo, blend)
     return torch.where(use[:, None, None], shampoo, fallback) * neg_lr
-
-
-#: Distinct graphs one compiled kernel may hold (one per stack shape and dtype, and per
-#: subset of moving blocks); torch's default of 8 is too few for a large model.
-RECOMPILE_LIMIT = 256
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-
-def kernel(function: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
-    """``function`` itself, or compiled whole with ``torch.compile(fullgraph=True)``."""
-    if not compiled:
-        return function
-    if function not in _COMPILED:
-        compiled_function = torch.compile(function, fullgraph=True, dynamic=False)
-
-        def call(*args: Any) -> Any:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled_function(*args)
-
-        _COMPILED[function] = call
-    return _COMPILED[function]

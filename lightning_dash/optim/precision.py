@@ -21,10 +21,11 @@ rounded to TF32's 10-bit mantissa, and the products accumulate in float32.
   tf32x3 passes it (1.8e-5) but its eager split passes made the step 1.7x slower than float32
   (docs/benchmarks.md, "On one GPU").
 
-On CUDA the step runs with cuBLAS's TF32 mode on and puts the user's setting back
-afterwards. Elsewhere the operands are rounded to TF32 before a float32 product (an
-emulation: the same numerics, slower), so the GPU's arithmetic can be tested on a CPU.
-float64 statistics are never rounded: the TF32 modes apply to float32 operands only.
+On CUDA the step sets cuBLAS's float32 mode to what ``matmul_precision`` asks (TF32 or IEEE,
+whatever the process's own setting) and puts that setting back afterwards. Elsewhere the
+operands are rounded to TF32 before a float32 product (an emulation: the same numerics,
+slower), so the GPU's arithmetic can be tested on a CPU. float64 statistics are never
+rounded: the TF32 modes apply to float32 operands only.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def baddbmm(base: Tensor | None, left: Tensor, right: Tensor, matmul_precision: 
     """``base + left @ right`` per block (``base`` None: the product alone), the product run at
     ``matmul_precision`` (``"float32"``, ``"tf32"`` or ``"tf32x3"``; not ``"auto"``). Operands
     other than float32 (float64 stacks) take an IEEE product whatever the precision; on CUDA
-    the TF32 modes need :func:`tf32_matmuls` around the call."""
+    the call runs under :func:`cuda_matmuls`, which sets the tensor cores' mode."""
     if matmul_precision == FLOAT32 or left.dtype != torch.float32:
         return torch.bmm(left, right) if base is None else torch.baddbmm(base, left, right)
     if matmul_precision == TF32:
@@ -106,23 +107,24 @@ def bmm(left: Tensor, right: Tensor, matmul_precision: str) -> Tensor:
 
 
 @contextmanager
-def tf32_matmuls(enabled: bool) -> Iterator[None]:
-    """Run CUDA float32 matmuls on TF32 tensor cores inside the block when ``enabled``, and
-    put the process's setting back afterwards, whichever of torch's two APIs set it."""
-    if not enabled or not torch.cuda.is_available():
+def cuda_matmuls(tf32: bool) -> Iterator[None]:
+    """Run CUDA float32 matmuls inside the block on TF32 tensor cores (``tf32``) or in IEEE
+    float32, whatever the process's setting (Lightning suggests TF32 on tensor-core GPUs), and
+    put that setting back afterwards, through the API it was set with."""
+    if not torch.cuda.is_available():
         yield
         return
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; reading the legacy flag could raise
         saved = matmul.fp32_precision
-        matmul.fp32_precision = TF32
+        matmul.fp32_precision = TF32 if tf32 else "ieee"
         try:
             yield
         finally:
             matmul.fp32_precision = saved
         return
     saved_flag = matmul.allow_tf32
-    matmul.allow_tf32 = True
+    matmul.allow_tf32 = tf32
     try:
         yield
     finally:

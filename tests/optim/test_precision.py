@@ -92,17 +92,19 @@ def test_float64_operands_are_never_rounded():
         lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
     ],
 )
-def test_the_users_tf32_setting_is_put_back(user_setting, monkeypatch):
-    """Inside the block cuBLAS runs TF32; afterwards the setting reads back as the user left it,
-    through the API the user set it with."""
+@pytest.mark.parametrize("tf32", [True, False])
+def test_the_step_sets_cuda_matmuls_as_asked_and_puts_the_users_setting_back(user_setting, tf32, monkeypatch):
+    """Inside the block cuBLAS runs what DASH asked (TF32, or IEEE float32 even where the user
+    turned TF32 on); afterwards the setting reads back as the user left it, through the API the
+    user set it with."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the flags exist on CPU builds too
     saved = torch.get_float32_matmul_precision()
     try:
         if user_setting is not None:
             user_setting()
         before = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
-        with precision.tf32_matmuls(True):
-            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        with precision.cuda_matmuls(tf32):
+            assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
         assert (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32) == before
     finally:
         torch.set_float32_matmul_precision(saved)
@@ -160,7 +162,9 @@ def test_each_precision_steps_as_its_arithmetic_allows_against_float64():
 @CUDA
 def test_cuda_tensor_cores_compute_what_the_emulation_does():
     """On CUDA the split product lands where float64 and the CPU emulation do, one TF32 product
-    lands visibly elsewhere (the tensor cores ran), and the user's setting is unchanged."""
+    lands visibly elsewhere (the tensor cores ran), float32 stays IEEE under the user's TF32
+    setting, and that setting is unchanged."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # the user's: TF32 everywhere
     before = torch.backends.cuda.matmul.fp32_precision
     reference = trained(torch.float64)
     movement = (reference - trained(torch.float64, steps=0)).norm()
@@ -173,4 +177,6 @@ def test_cuda_tensor_cores_compute_what_the_emulation_does():
     assert distance(split, reference) < 5e-5
     assert distance(split, trained(torch.float32, matmul_precision="tf32x3")) < 5e-5
     assert distance(single, reference) > 100 * distance(split, reference)
+    assert distance(trained(torch.float32, device="cuda", matmul_precision="float32"), reference) < 1e-5
     assert torch.backends.cuda.matmul.fp32_precision == before
+    torch.backends.cuda.matmul.fp32_precision = "none"

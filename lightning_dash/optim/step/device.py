@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate
-from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, tf32_matmuls
+from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, cuda_matmuls
 from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
@@ -43,9 +43,12 @@ def step_on_device(
     """Run one step of the ``active`` parameters; returns its verdict vector
     ``[gradient not finite, update not finite, failed roots, longest failure streak]``
     on the device (see :mod:`.verdict`), the same on every rank. CUDA float32 matmuls run on
-    TF32 tensor cores when ``rules.matmul_precision`` asks for it."""
+    TF32 tensor cores or in IEEE float32 as ``rules.matmul_precision`` says, whatever the
+    process's own setting."""
     device = layout.params[min(active)].device
-    with tf32_matmuls(device.type == "cuda" and rules.matmul_precision in TENSOR_CORE_PRECISIONS):
+    if device.type != "cuda":
+        return _step(layout, active, groups, rules, roots, distributor, device)
+    with cuda_matmuls(tf32=rules.matmul_precision in TENSOR_CORE_PRECISIONS):
         return _step(layout, active, groups, rules, roots, distributor, device)
 
 

@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_dash.integration.checkpoint_files import (
     METADATA_FILE,
-    check_complete,
     is_distributed_checkpoint,
     load_file,
 )
@@ -119,8 +118,8 @@ def load_model(module: nn.Module, path: Path, key: str, strict: bool, weights_on
 def read_whole(path: Path, weights_only: bool | None) -> dict[str, Any]:
     """Everything a distributed checkpoint folder holds, whole, in one dict (its shards
     joined, plus its metadata file's entries): how a run with whole parameters (DDP)
-    reads a checkpoint written by sharded ranks. Not collective."""
-    check_complete(path)
+    reads a checkpoint written by sharded ranks. ``path`` must have passed
+    :func:`~lightning_dash.integration.checkpoint_files.complete_checkpoint`. Not collective."""
     with tempfile.TemporaryDirectory() as folder:
         whole = Path(folder) / "whole.pt"
         dcp_to_torch_save(str(path), str(whole))

@@ -1,19 +1,29 @@
 """Checkpoints that are complete or refused (``lightning_dash.integration.checkpoint_files``):
 publishing by rename, recovery after a crash between renames, and refusing truncated or
-corrupted files with the file named. Real files: torch archives truncated at many lengths,
-bytes flipped, and real ``torch.distributed.checkpoint`` folders with a shard cut short."""
+corrupted files with the file named, shards stamped and checked, and the leftovers of an
+interrupted save named at load and removed by the next save. Real files: torch archives
+truncated at many lengths, bytes flipped, real ``torch.distributed.checkpoint`` folders with
+a shard cut short, swapped or changed, and a save killed by SIGKILL."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_dash.integration import checkpoint_files
 from lightning_dash.integration.checkpoint_files import (
     METADATA_FILE,
+    STAMPS_FILE,
     IncompleteCheckpointError,
     check_complete,
     check_replaceable,
@@ -144,3 +154,87 @@ def test_a_staged_write_that_raises_publishes_nothing_and_the_next_one_replaces_
         assert not staged.exists()
         save_file(staged, 8)
     assert step_of(path) == 8 and not staging_path(path).exists()
+
+
+def save_stamped(path: Path, step: int) -> Path:
+    """A distributed checkpoint folder saved as the strategies save it: staged, stamped, published."""
+    with staged_write(path, True, lambda: None, step=step) as staged:
+        save_folder(staged, step)
+    return path
+
+
+@pytest.mark.parametrize("leftover_of", [staging_path, replaced_path])
+def test_a_leftover_beside_the_checkpoint_is_named_at_load_and_removed_by_the_next_save(tmp_path, leftover_of):
+    path = save_stamped(tmp_path / "last.ckpt", 4)
+    leftover = save_folder(leftover_of(path), 6)
+    with pytest.warns(UserWarning, match=f"{leftover.name} lies beside the checkpoint .*next save to .* removes it"):
+        assert step_of(complete_checkpoint(path)) == 4
+    assert leftover.is_dir()  # loading removes nothing
+    save_stamped(path, 8)
+    assert step_of(path) == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.multiprocess
+def test_a_save_killed_while_writing_leaves_a_leftover_that_the_next_save_removes(tmp_path):
+    path = save_stamped(tmp_path / "last.ckpt", 4)
+    module = Path(checkpoint_files.__file__)
+    killed = textwrap.dedent(f"""
+        import importlib.util, os, signal, torch
+        import torch.distributed.checkpoint as dcp
+        from pathlib import Path
+        spec = importlib.util.spec_from_file_location("checkpoint_files", {str(module)!r})
+        files = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(files)
+        with files.staged_write(Path({str(path)!r}), True, lambda: None, step=6) as staged:
+            dcp.save({{"state_dict": {{"w": torch.zeros(256)}}}}, checkpoint_id=str(staged), no_dist=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert subprocess.run([sys.executable, "-c", killed]).returncode == -signal.SIGKILL
+    leftover = staging_path(path)
+    assert leftover.is_dir() and not (leftover / STAMPS_FILE).exists()
+    with pytest.warns(UserWarning, match=f"{leftover.name} lies beside the checkpoint"):
+        assert step_of(complete_checkpoint(path)) == 4
+    save_stamped(path, 8)
+    assert step_of(path) == 8 and not leftover.exists()
+
+
+def test_a_shard_copied_in_from_another_step_is_refused_naming_it_and_both_steps(tmp_path):
+    older = save_stamped(tmp_path / "step=40.ckpt", 40)
+    path = save_stamped(tmp_path / "step=50.ckpt", 50)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes((older / shard.name).read_bytes())
+    message = f"{shard.name} holds step 40, the checkpoint is step 50: it was copied in from .*step=40.ckpt"
+    with pytest.raises(IncompleteCheckpointError, match=message):
+        complete_checkpoint(path)
+
+
+def test_a_changed_byte_in_a_shard_is_a_checksum_mismatch_naming_it(tmp_path):
+    path = save_stamped(tmp_path / "last.ckpt", 5)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IncompleteCheckpointError, match=f"checksum mismatch: the file .*{shard.name} has sha256"):
+        complete_checkpoint(path)
+
+
+def test_a_checkpoint_saved_before_stamps_existed_still_loads(tmp_path, caplog):
+    path = save_stamped(tmp_path / "last.ckpt", 5)
+    assert set(json.loads((path / STAMPS_FILE).read_text())["sha256"]) == {p.name for p in path.iterdir()} - {
+        STAMPS_FILE
+    }
+    (path / STAMPS_FILE).unlink()  # what the code before stamps wrote
+    with caplog.at_level(logging.INFO, logger="lightning_dash"):
+        assert complete_checkpoint(path) == path
+    assert "shards are not checked" in caplog.text
+    state = {"state_dict": {"w": torch.empty(256)}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(state["state_dict"]["w"], torch.full((256,), 5.0))
+
+
+def test_truncated_stamps_are_refused_naming_them(tmp_path):
+    path = save_stamped(tmp_path / "last.ckpt", 5)
+    stamps = path / STAMPS_FILE
+    stamps.write_text(stamps.read_text()[:20])
+    with pytest.raises(IncompleteCheckpointError, match=f"{STAMPS_FILE} is truncated or corrupted"):
+        complete_checkpoint(path)

@@ -43,8 +43,10 @@ test-lightning: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not multiprocess"
 
+# The option refusals of Composer's Dash live with every entry point's (tests/trainers); the main lane skips them.
 test-composer: $(COMPOSER_VENV)/.installed
 	$(CPY) -m pytest -q tests/with_composer
+	$(CPY) -m pytest -q tests/trainers/test_option_refusals.py -k composer
 
 # The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.
 docs: $(VENV)/.installed

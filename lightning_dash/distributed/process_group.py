@@ -19,7 +19,7 @@ from lightning_dash.distributed.block_exchange import (
 )
 from lightning_dash.optim.distributor import BlockUpdate, WholeParameters
 from lightning_dash.optim.stacks import Region, StackPlan
-from lightning_dash.optim.validation import check_communication_dtype
+from lightning_dash.optim.validation import check_communication_dtype, check_int
 
 
 def wire_dtype(communication_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
@@ -46,9 +46,11 @@ class ProcessGroupDistributor(WholeParameters):
         communication_dtype: torch.dtype = torch.float32,
         root_iterations: int = 10,
     ) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r}")
         self.process_group = process_group
         self.communication_dtype = check_communication_dtype(communication_dtype)
-        self.root_iterations = root_iterations
+        self.root_iterations = check_int("root_iterations", root_iterations, low=1)
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._owners: dict[Hashable, int] = {}

@@ -171,8 +171,9 @@ class ShardedDistributor(ProcessGroupDistributor):
         root_iterations: int = 10,
         micro_group_mib: float | None = None,
     ) -> None:
+        budget = check_micro_group_mib(micro_group_mib)  # checked before the process group is read
         super().__init__(process_group, communication_dtype, root_iterations)
-        self.micro_group_mib = check_micro_group_mib(micro_group_mib)
+        self.micro_group_mib = budget
 
     # ------------------------------------------------------------------ placement
     def local(self, tensor: Tensor) -> Tensor:

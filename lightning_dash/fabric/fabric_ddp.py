@@ -73,7 +73,7 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
     ) -> None:
         conversion = ConversionOptions.from_init(kwargs)
         conversion.check_sharding(sharded_parameters=False)
-        check_data_parallel_options(kwargs, type(self).__name__, DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
+        check_data_parallel_options(kwargs, type(self), DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
         super().__init__(**kwargs)
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion

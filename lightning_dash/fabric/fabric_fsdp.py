@@ -37,6 +37,8 @@ from lightning_dash.integration.checkpoint_files import (
 )
 from lightning_dash.integration.fsdp_sharding import (
     check_data_parallel_sharding,
+    check_mesh_sizes,
+    check_shard_modules,
     is_sharded,
     setup_sharded_environment,
     shard_model,
@@ -65,8 +67,12 @@ class ParallelizeForDash:
         parallelize_fn: Callable[[Module, DeviceMesh], Module] | None = None,
         shard_modules: Collection[type[Module]] | None = None,
     ) -> None:
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(
+                f"parallelize_fn must be a callable (module, device_mesh) -> module or None, got {parallelize_fn!r}"
+            )
         self.parallelize_fn = parallelize_fn
-        self.shard_modules = tuple(shard_modules) if shard_modules else None
+        self.shard_modules = check_shard_modules(shard_modules)
 
     def __call__(self, module: Module, device_mesh: DeviceMesh) -> Module:
         if self.parallelize_fn is not None:
@@ -142,7 +148,7 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         conversion = ConversionOptions.from_init(kwargs)
         super().__init__(
             parallelize_fn=ParallelizeForDash(parallelize_fn, shard_modules),
-            **fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__),
+            **fsdp_options(kwargs, type(self), ModelParallelStrategy.__init__),
         )
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion
@@ -162,6 +168,7 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        check_mesh_sizes(self)  # the processes are known: refuse sizes that do not fit them before launching
         if self.start_method == "popen":
             super()._configure_launcher()
         else:

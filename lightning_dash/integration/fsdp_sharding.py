@@ -130,14 +130,50 @@ def shard_module(
     return len(units) + len(roots) + 1
 
 
+def check_shard_modules(value: Any) -> tuple[type[nn.Module], ...] | None:
+    """``shard_modules`` as a tuple of ``nn.Module`` subclasses (None or empty: None), else ``TypeError``."""
+    if value is None:
+        return None
+    classes = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
+    if classes is None or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"shard_modules must be a list of nn.Module subclasses (e.g. [Block]) or None, got {value!r}")
+    return classes or None
+
+
+def mesh_sizes(
+    data_parallel_size: int | str, tensor_parallel_size: int | str, num_nodes: int, num_processes: int
+) -> tuple[int, int]:
+    """The data- and tensor-parallel sizes over ``num_nodes`` nodes of ``num_processes`` processes, ``"auto"``
+    made concrete (as Lightning: tensor parallelism over one node's processes; data parallelism over the
+    processes left); ``ValueError`` where the sizes do not fit the world size, naming the sizes that would."""
+    world_size = num_nodes * num_processes
+    tensor = num_processes if tensor_parallel_size == "auto" else int(tensor_parallel_size)
+    divisors = [size for size in range(1, world_size + 1) if world_size % size == 0]
+    if world_size % tensor:
+        raise ValueError(
+            f"tensor_parallel_size={tensor} does not divide the {world_size} processes: give one of {divisors} "
+            "(the data-parallel size is then the processes over it)"
+        )
+    data = world_size // tensor if data_parallel_size == "auto" else int(data_parallel_size)
+    if data * tensor != world_size:
+        raise ValueError(
+            f"data_parallel_size={data} times tensor_parallel_size={tensor} is not the {world_size} processes: "
+            f"give data_parallel_size={world_size // tensor} or 'auto'"
+        )
+    return data, tensor
+
+
+def check_mesh_sizes(strategy: Any) -> tuple[int, int]:
+    """A DASH FSDP2 strategy's data- and tensor-parallel sizes for its processes (:func:`mesh_sizes`)."""
+    sizes = strategy._data_parallel_size, strategy._tensor_parallel_size
+    return mesh_sizes(*sizes, strategy.num_nodes, strategy.num_processes)
+
+
 def setup_sharded_environment(strategy: Any, setup_environment: Callable[[], None]) -> None:
-    """A DASH FSDP2 strategy's ``setup_environment`` (Trainer's or Fabric's): ``data_parallel_size="auto"``
-    made concrete (the processes over the tensor-parallel size), then the base class's
-    ``setup_environment``, then gloo's workers kept alive until exit."""
-    if strategy._data_parallel_size == "auto":
-        tensor = strategy._tensor_parallel_size
-        tensor = strategy.num_processes if tensor == "auto" else tensor
-        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes // tensor
+    """A DASH FSDP2 strategy's ``setup_environment`` (Trainer's or Fabric's): ``"auto"`` mesh sizes made
+    concrete and checked (:func:`check_mesh_sizes`), then the base class's ``setup_environment``, then
+    gloo's workers kept alive until exit."""
+    strategy._data_parallel_size, strategy._tensor_parallel_size = check_mesh_sizes(strategy)
     setup_environment()
     settle_gloo_workers_at_exit()
 

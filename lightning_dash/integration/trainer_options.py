@@ -8,11 +8,12 @@ FSDP2 one. The strategies pass their base classes, so this module imports no Lig
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_dash.optim.config import OPTION_NAMES
-from lightning_dash.optim.validation import check_choice
+from lightning_dash.optim.validation import check_choice, did_you_mean
 
 #: Keywords of FSDP strategies (and of FSDP2's ``fully_shard``) that mean sharded training, refused by the
 #: data-parallel strategies also where DDP takes them in another sense (``mixed_precision``, ``device_mesh``).
@@ -47,21 +48,30 @@ def check_start_method(value: str) -> str:
 
 
 def _parameters(functions: Iterable[Callable[..., Any]]) -> set[str]:
-    return {name for function in functions for name in inspect.signature(function).parameters} - {"self"}
+    return {
+        name
+        for function in functions
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    } - {"self"}
 
 
-def _refuse_unknown(options: dict[str, Any], strategy: str, known: set[str]) -> None:
-    unknown = sorted(set(options) - known)
+def refuse_unknown(options: dict[str, Any], front_end: type, known: Iterable[str] = ()) -> None:
+    """``TypeError`` naming each keyword of ``options`` that neither ``front_end``'s constructor nor ``known``
+    (its base's keywords) takes, with the closest name for each, then everything the front-end takes."""
+    takes = (_parameters([front_end.__init__]) | set(known)) - set(OPTION_NAMES)
+    unknown = sorted(set(options) - takes - set(OPTION_NAMES))
     if unknown:
+        hint = did_you_mean(unknown, takes | set(OPTION_NAMES))
         raise TypeError(
-            f"{strategy} got unknown option(s) {unknown}; it takes {sorted(known)} "
-            f"and the DASH options {sorted(OPTION_NAMES)}"
+            f"{front_end.__name__} got unknown option(s) {unknown}{hint} (it takes {sorted(takes)} "
+            f"and the DASH options {sorted(OPTION_NAMES)})"
         )
 
 
 def check_data_parallel_options(
     options: dict[str, Any],
-    strategy: str,
+    strategy: type,
     takes: Iterable[Callable[..., Any]],
     sharded: Iterable[Callable[..., Any]],
     use_instead: str,
@@ -75,16 +85,29 @@ def check_data_parallel_options(
     sharding = sorted(name for name in sharding_names.intersection(options) if options[name] is not None)
     if sharding:
         raise ValueError(
-            f"{strategy} is data parallel and does not shard; {sharding} are options of sharded training: "
+            f"{strategy.__name__} is data parallel and does not shard; {sharding} are options of sharded training: "
             f"use {use_instead}"
         )
-    _refuse_unknown(options, strategy, known)
+    refuse_unknown(options, strategy, known)
     if options.get("start_method") is not None:
         check_start_method(options["start_method"])
 
 
-def fsdp_options(options: dict[str, Any], strategy: str, base: Callable[..., Any]) -> dict[str, Any]:
+def check_parallel_size(name: str, value: Any) -> int | str:
+    """``value`` if it is an integer >= 1 or ``"auto"``, else ``ValueError`` naming the option ``name``."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
+
+
+def fsdp_options(options: dict[str, Any], strategy: type, base: Callable[..., Any]) -> dict[str, Any]:
     """``options`` for ``base`` (the strategy's ModelParallelStrategy) after refusing a keyword neither DASH
-    nor ``base`` takes; ``data_parallel_size`` defaults to every process not in a tensor-parallel group."""
-    _refuse_unknown(options, strategy, _parameters([base]) - {"parallelize_fn"})
-    return {"data_parallel_size": "auto", "tensor_parallel_size": 1, **options}
+    nor ``base`` takes, and a mesh size that is not an integer >= 1 or ``"auto"``; ``data_parallel_size``
+    defaults to every process not in a tensor-parallel group."""
+    refuse_unknown(options, strategy, _parameters([base]) - {"parallelize_fn"})
+    options = {"data_parallel_size": "auto", "tensor_parallel_size": 1, **options}
+    for name in ("data_parallel_size", "tensor_parallel_size"):
+        options[name] = check_parallel_size(name, options[name])
+    return options

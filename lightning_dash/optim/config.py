@@ -27,6 +27,7 @@ from lightning_dash.optim.validation import (
     check_matmul_dtype,
     check_number,
     check_params,
+    did_you_mean,
     dtype_name,
 )
 
@@ -260,8 +261,11 @@ class DashConfig:
     def build(cls, config: DashConfig | None = None, **options: Any) -> DashConfig:
         """``config`` (default: the defaults) with ``options`` replacing its values.
 
-        Unknown option names raise ``TypeError`` listing the known ones.
+        Unknown option names raise ``TypeError`` listing the known ones, as does a ``config``
+        that is not a DashConfig.
         """
+        if config is not None and not isinstance(config, DashConfig):
+            raise TypeError(f"config must be a DashConfig, got {type(config).__name__}")
         check_option_names(options)
         return dataclasses.replace(config or cls(), **options)
 
@@ -301,10 +305,13 @@ _CHECKS = {spec.name: spec.metadata["check"] for spec in dataclasses.fields(Dash
 
 
 def check_option_names(options: Mapping[str, Any]) -> None:
-    """Raise ``TypeError`` naming every key of ``options`` that is not a DASH option."""
+    """Raise ``TypeError`` naming every key of ``options`` that is not a DASH option, with the
+    closest option name for each and then every option name."""
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
-        raise TypeError(f"unknown DASH option(s) {unknown}; known: {sorted(OPTION_NAMES)}")
+        named = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {unknown}"
+        hint = did_you_mean(unknown, OPTION_NAMES)
+        raise TypeError(f"unknown DASH {named}{hint} (known: {sorted(OPTION_NAMES)})")
 
 
 def check_option(name: str, value: Any) -> Any:

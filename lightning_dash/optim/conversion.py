@@ -4,16 +4,18 @@ Trainers build the optimizer a model's code asks for (AdamW, SGD, Composer's
 decoupled variants, ...) and attach learning-rate schedulers to its
 ``param_groups``. :func:`dash_group_settings` maps each group's hyperparameters
 onto DASH's, and :meth:`DASH.from_optimizer` builds DASH over the *same* group
-dictionaries, so every scheduler that edits ``group["lr"]`` keeps driving it.
+dictionaries, so every scheduler that edits ``group["lr"]`` keeps driving it, and logs
+what the recipe became (:func:`conversion_summary`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
 import torch
 
-from lightning_dash.optim.config import GROUP_OPTIONS, check_option, check_option_names
+from lightning_dash.optim.config import GROUP_OPTIONS, DashConfig, check_option, check_option_names
 from lightning_dash.optim.validation import check_bool, check_number
 
 #: Decay of the Kronecker factors when the source optimizer has none (DASH's default).
@@ -149,3 +151,34 @@ def converted_groups(
         group.update(settings)
         group.update(per_group)
     return optimizer.param_groups, {**options, **overrides}
+
+
+def _per_group(groups: list[dict[str, Any]], read: Any) -> str:
+    """One group setting as text: its value, or each group's where they differ."""
+    values = list(dict.fromkeys(f"{read(group):g}" for group in groups))
+    return values[0] if len(values) == 1 else f"{' / '.join(values)} per group"
+
+
+_log = logging.getLogger("lightning_dash")
+Converted = TypeVar("Converted")
+
+
+def announced(dash: Converted, source: torch.optim.Optimizer) -> Converted:
+    """``dash`` (a DASH converted from ``source``), after logging at INFO level what the recipe became."""
+    _log.info(conversion_summary(type(source).__name__, dash.config, dash.param_groups))
+    return dash
+
+
+def conversion_summary(source: str, config: DashConfig, groups: list[dict[str, Any]]) -> str:
+    """One line saying what ``source`` (the converted optimizer's class name) became: the
+    grafting, the recipe's lr, momentum and weight decay as DASH applies them, and the
+    options that decide which blocks Shampoo preconditions and how often."""
+    precondition = config.precondition if isinstance(config.precondition, str) else "custom"
+    nesterov = ", nesterov" if config.nesterov else ""
+    return (
+        f"DASH from {source}: grafting {config.grafting}, lr {_per_group(groups, lambda g: g['lr'])} (the recipe's), "
+        f"momentum {_per_group(groups, lambda g: g['betas'][0])}{nesterov}, decoupled weight decay "
+        f"{_per_group(groups, lambda g: g['weight_decay'])}; precondition {precondition}, "
+        f"block_size {config.block_size}, precondition_frequency "
+        f"{_per_group(groups, lambda g: g['precondition_frequency'])}, lr_scale {config.lr_scale:g}"
+    )

@@ -36,6 +36,11 @@ class LayoutKeeper:
     def __init__(
         self, distributor: BlockDistributor, block_size: int, roots: RootRefresher, books: StepBookkeeping
     ) -> None:
+        if not all(hasattr(distributor, name) for name in ("world_size", "plan_stacks", "exchange_blocks")):
+            raise TypeError(
+                "distributor must be a BlockDistributor (ProcessGroupDistributor, ShardedDistributor) or None, "
+                f"got {type(distributor).__name__}"
+            )
         self.distributor = distributor
         self.block_size = block_size
         self.roots = roots

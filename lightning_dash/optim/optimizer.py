@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_dash.optim.checkpoint import Checkpointer
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
-from lightning_dash.optim.conversion import converted_groups
+from lightning_dash.optim.conversion import announced, converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
 from lightning_dash.optim.layout_keeper import LayoutKeeper
 from lightning_dash.optim.roots import RootSettings
@@ -26,6 +26,7 @@ from lightning_dash.optim.step.device import step_on_device
 from lightning_dash.optim.step.grafting import uses_second_moment
 from lightning_dash.optim.step.refresh import RootRefresher
 from lightning_dash.optim.step.update import UpdateRules, active_params, gradients_all_zero
+from lightning_dash.optim.validation import check_iterable_params
 
 _log = logging.getLogger("lightning_dash")
 #: Device types whose "auto" choice was logged (once per process).
@@ -104,7 +105,7 @@ class DASH(torch.optim.Optimizer):
         self._routing = ParameterRouting(self._config.precondition, self._config.split_rows, model)
         self._keeper = LayoutKeeper(distributor or LocalDistributor(), self.block_size, self.roots, self._books)
         self._checkpointer = Checkpointer(self, self._keeper, self._routing, self._current_layout)
-        super().__init__(params, self._config.group_defaults())
+        super().__init__(check_iterable_params(params), self._config.group_defaults())
 
     # ------------------------------------------------------------------ options
     @property
@@ -193,18 +194,17 @@ class DASH(torch.optim.Optimizer):
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> DASH:
         """DASH over ``optimizer``'s own parameter-group dictionaries.
 
-        Learning rates, momenta, epsilons and weight decay map onto DASH and its
-        grafting (Adam-family optimizers graft Adam, SGD grafts SGD, ...); schedulers
-        attached to ``optimizer`` keep editing the same dictionaries. Keyword
-        overrides set any :class:`~lightning_dash.optim.config.DashConfig` option
-        (per-group ones in every group); ``factor_decay`` sets ``betas[1]``. A DASH
-        optimizer is returned unchanged. A subclass that overrides its base class's
-        ``step`` is refused (its update rule would be lost) unless ``allow_custom_step=True``.
+        Learning rates, momenta, epsilons and weight decay map onto DASH and its grafting (Adam-family
+        optimizers graft Adam, SGD grafts SGD, ...); schedulers attached to ``optimizer`` keep editing the
+        same dictionaries. Keyword overrides set any :class:`~lightning_dash.optim.config.DashConfig` option
+        (per-group ones in every group); ``factor_decay`` sets ``betas[1]``. A DASH optimizer is returned
+        unchanged. A subclass that overrides its base class's ``step`` is refused (its update rule would be
+        lost) unless ``allow_custom_step=True``. What the recipe became is logged (INFO, ``lightning_dash``).
         """
         if isinstance(optimizer, DASH):
             return optimizer
         groups, options = converted_groups(optimizer, overrides)
-        return cls(groups, **options)
+        return announced(cls(groups, **options), optimizer)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after training started); its hyperparameters are checked."""

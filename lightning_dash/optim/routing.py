@@ -68,6 +68,8 @@ def describe_model(model: nn.Module) -> ModelParameters:
     weights are embeddings, convolution weights convolutions, and the weight of the
     last ``nn.Linear`` in registration order is the output layer (a weight shared with
     an embedding has both roles)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module being trained (or None), got {type(model).__name__}")
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)

@@ -7,8 +7,9 @@ rather than as a NaN many steps later.
 
 from __future__ import annotations
 
+import difflib
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,19 @@ _DTYPE_ALIASES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+def did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
+    """The closest of ``known`` to each of the ``unknown`` keywords where one is close
+    (:func:`difflib.get_close_matches`), as an error message continues: ``"; did you mean 'block_size'?"``,
+    ``"; did you mean 'block_size' for 'block_sise', 'lr' for 'lrr'?"``, or ``""`` where none is close."""
+    known = sorted(known)
+    close = {name: match[0] for name in unknown if (match := difflib.get_close_matches(name, known, n=1))}
+    if len(unknown) == 1 and close:
+        return f"; did you mean {close[unknown[0]]!r}?"
+    if close:
+        return "; did you mean " + ", ".join(f"{match!r} for {name!r}" for name, match in close.items()) + "?"
+    return ""
 
 
 def check_number(
@@ -91,6 +105,13 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def check_iterable_params(params: Any) -> Iterable[Any]:
+    """``params`` if it can be iterated (over tensors or parameter groups), else ``TypeError`` naming it."""
+    if not isinstance(params, Iterable):
+        raise TypeError(f"params must be an iterable of tensors or parameter groups, got {type(params).__name__}")
+    return params
 
 
 def check_params(params: Iterable[Any]) -> None:

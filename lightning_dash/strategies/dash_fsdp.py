@@ -30,6 +30,8 @@ from lightning_dash.integration.checkpoint_files import (
 )
 from lightning_dash.integration.fsdp_sharding import (
     check_data_parallel_sharding,
+    check_mesh_sizes,
+    check_shard_modules,
     is_sharded,
     setup_sharded_environment,
     shard_module,
@@ -108,10 +110,10 @@ class DashFSDPStrategy(ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         conversion = ConversionOptions.from_init(kwargs)
-        super().__init__(**fsdp_options(kwargs, type(self).__name__, ModelParallelStrategy.__init__))
+        super().__init__(**fsdp_options(kwargs, type(self), ModelParallelStrategy.__init__))
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = conversion
-        self.shard_modules = tuple(shard_modules) if shard_modules else None
+        self.shard_modules = check_shard_modules(shard_modules)
         self.start_method = check_start_method(start_method)
         #: FSDP2's gradient and parameter traffic per step (from the collectives' sizes) and
         #: the bytes DASH's block exchanges sent, for this rank.
@@ -125,6 +127,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        check_mesh_sizes(self)  # the processes are known: refuse sizes that do not fit them before launching
         assert self.cluster_environment is not None
         if self.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -184,9 +187,11 @@ class DashFSDPStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """As ModelParallelStrategy, but written under a staging name and moved onto
         ``filepath`` once every rank has finished: a crash while writing leaves the
-        previous checkpoint as it was (:mod:`~lightning_dash.integration.checkpoint_files`)."""
+        previous checkpoint as it was (:mod:`~lightning_dash.integration.checkpoint_files`);
+        a folder's files are stamped with the global step."""
         path = Path(self.broadcast(filepath))
-        with staged_write(path, self.global_rank == 0, self.barrier) as staged:
+        step = checkpoint.get("global_step")
+        with staged_write(path, self.global_rank == 0, self.barrier, step=step) as staged:
             super().save_checkpoint(checkpoint, staged, storage_options=storage_options)
 
     @override

@@ -199,16 +199,20 @@ def test_fabric_gpt_without_litgpt_says_so_and_stops(capsys, monkeypatch):
 
 
 #: Runs an example as ``__main__`` the way a user does, on a machine that Lightning's data connector
-#: thinks has 8 cores (on 2 it does not warn about ``num_workers``), optionally without the filters;
-#: then raises warnings from user code, some with the filtered messages' text and category.
+#: thinks has 8 cores (on 2 it does not warn about ``num_workers``), optionally without the filters,
+#: with the contention verdict given (CONTENTION, or none) instead of measured, so that the machine's
+#: load cannot change the output; then raises warnings from user code, some with the filtered
+#: messages' text and category.
 QUIET_WRAPPER = """
 import runpy, sys, warnings
 import lightning.fabric.utilities.data as fabric_data
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+import lightning_dash.showcase.contention as contention
 import lightning_dash.showcase.quiet as quiet
 
-script, filters, *argv = sys.argv[1:]
+script, filters, verdict, *argv = sys.argv[1:]
 fabric_data._num_cpus_available = lambda: 8
+contention.contention_warning = lambda phases: verdict or None
 if filters == "off":
     quiet.quiet_third_party_output = lambda: None
 sys.argv = [script, *argv]
@@ -222,6 +226,7 @@ warnings.warn("The 'train_dataloader' does not have many workers which may be a 
 LEAFSPEC = "`isinstance(treespec, LeafSpec)` is deprecated"
 FEW_WORKERS = "does not have many workers which may be a bottleneck"
 TIP = "💡 Tip: For seamless cloud"
+CONTENTION = "other processes took CPU time from this run (given by the test)"
 
 
 def third_party(lines: list[str], text: str) -> list[str]:
@@ -232,13 +237,15 @@ def third_party(lines: list[str], text: str) -> list[str]:
 @pytest.mark.parametrize("filters", ["on", "off"])
 def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filters):
     """Stdout and stderr are files (not a terminal): no progress bar, none of the filtered notices, the
-    table last, and every warning from user code still shown. ``off`` shows that the notices do appear
-    without the filters (so the test sees them), ``--quick`` that its files and settings are its own."""
+    table last (after the contention warning, given rather than measured), and every warning from user
+    code still shown. ``off`` shows that the notices do appear without the filters (so the test sees them)
+    and runs without a contention warning, ``--quick`` that its files and settings are its own."""
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(QUIET_WRAPPER)
     settings = [a for a in TINY if a != "--no-progress-bar"]
     settings += ["--quick", "--steps", "20", "--val-every", "10", "--out", str(tmp_path / "out")]
-    command = [sys.executable, str(wrapper), str(EXAMPLES / "train_char_gpt.py"), filters, *settings]
+    verdict = CONTENTION if filters == "on" else ""
+    command = [sys.executable, str(wrapper), str(EXAMPLES / "train_char_gpt.py"), filters, verdict, *settings]
     environment = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
     environment.pop("PYTHONWARNINGS", None)
     # This checkout's lightning_dash, whatever the interpreter has installed.
@@ -269,8 +276,10 @@ def test_train_char_gpt_output_is_quiet_and_ends_with_the_table(tmp_path, filter
     assert set(lines[header + 1]) == {"-"}
     assert [line.split()[0] for line in lines[header + 2 :]] == ["AdamW", "DASH"]  # nothing after the table
     assert any(line.startswith("table: ") for line in lines[:header])
+    assert [line for line in lines if "WARNING" in line] == ([f"WARNING: {CONTENTION}"] if verdict else [])
 
     config = json.loads((tmp_path / "out" / "train_char_gpt_quick.json").read_text())["config"]
+    assert config["contention"] == (verdict or None)
     example_module = example("train_char_gpt")
     assert config["steps"] == 20 and config["val_windows"] == 64 and config["max_bytes"] == 300_000  # flags win
     assert config["val_windows"] != example_module.QUICK["val_windows"]

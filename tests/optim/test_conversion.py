@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -131,6 +133,32 @@ def test_sgd_with_momentum_and_nesterov():
     net = model()
     dash = DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True))
     assert dash.grafting == "sgd" and dash.nesterov and dash.param_groups[0]["betas"][0] == 0.9
+
+
+def test_the_conversion_logs_what_the_recipe_became(caplog):
+    """A recipe converted silently would hide that SGD's step is now Shampoo's: one INFO line says so."""
+    net = model()
+    sgd = torch.optim.SGD(
+        [{"params": net[0].parameters(), "lr": 0.1}, {"params": net[1].parameters()}],
+        lr=0.01,
+        momentum=0.9,
+        weight_decay=5e-4,
+    )
+    with caplog.at_level(logging.INFO, logger="lightning_dash"):
+        DASH.from_optimizer(sgd, block_size=4)
+    (record,) = [r for r in caplog.records if r.name == "lightning_dash"]
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "DASH from SGD: grafting sgd, lr 0.1 / 0.01 per group (the recipe's), momentum 0.9, decoupled weight "
+        "decay 0.0005; precondition auto, block_size 4, precondition_frequency 10, lr_scale 1"
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_dash"):
+        dash = DASH.from_optimizer(torch.optim.AdamW(model().parameters(), lr=3e-3), precondition="hidden")
+        assert DASH.from_optimizer(dash) is dash  # nothing converted, nothing logged
+    (record,) = caplog.records
+    assert record.getMessage().startswith("DASH from AdamW: grafting adam, lr 0.003 (the recipe's), momentum 0.9, ")
+    assert "; precondition hidden, " in record.getMessage()
 
 
 def test_composer_style_decoupled_weight_decay_is_rescaled():

@@ -15,8 +15,8 @@ from lightning_dash.composer.dash.gradient_average import correct_gradient_avera
 from lightning_dash.composer.dash.sharding import check_composer_sharding, fsdp_version, refuse_fsdp1
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import name_parameters
+from lightning_dash.integration.trainer_options import refuse_unknown
 from lightning_dash.optim import DASH, DashConfig
-from lightning_dash.optim.config import check_option_names
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Dash(Algorithm):
     ) -> None:
         #: How the trainer's optimizer becomes DASH: the resolved overrides and conversion options.
         self.conversion = ConversionOptions.from_init(options, config)
-        check_option_names(options)  # a name left over is no DASH option
+        refuse_unknown(options, type(self))  # a name left over is none of Dash's
         #: The DASH optimizer this algorithm installed (None before ``Event.INIT``).
         self.optimizer: DASH | None = None
         #: How DASH's state meets Composer's checkpoints (None before ``Event.INIT``).

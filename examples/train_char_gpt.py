@@ -237,11 +237,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"batch {args.batch_size} x {args.devices}, lr AdamW {lrs['adamw']:g}, DASH {lrs['dash']:g}"
     )
     report.plot(histories, plot_path, title, time_caution=warning and "wall time unreliable: other processes ran")
-    # The table comes last, so that it is what a terminal shows when the run ends.
+    # The table comes last (after the contention warning), so that it is what a terminal shows when the run ends.
     print(f"\nlogs: {', '.join(map(str, paths))}\ntable: {table_path}\nplot: {plot_path}")
-    print(f"\n{report.format_table(rows)}", flush=True)
     if warning:
-        print(f"\nWARNING: {warning}", flush=True)
+        print(f"\nWARNING: {warning}")
+    print(f"\n{report.format_table(rows)}", flush=True)
     return {
         "rows": rows,
         "histories": histories,

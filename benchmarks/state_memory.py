@@ -3,8 +3,11 @@
 Parameters with the shapes of ``--model`` (default ``gpt2-125m``: vocabulary 50257, 12 layers,
 width 768, context 1024, fused QKV, head tied to the token embedding; the models of
 ``benchmarks/_step_time_cases.py``) get fixed random gradients; no model runs. Each contender
-is built fresh on the same parameters, takes ``--steps`` steps (default 3), and the state it
-then holds is counted:
+is built fresh on the same parameters, takes ``--steps`` steps, and the state it then holds
+is counted. One step (the default) is enough: every contender allocates all its state in its
+first step, and both Shampoos compute their roots there (the tests check that 1 and 3 steps
+hold the same bytes); each further Shampoo step costs half a minute on 2 CPU cores at gpt2-125m.
+The contenders:
 
 * ``adamw``: ``torch.optim.AdamW`` with its defaults;
 * ``dash``: :class:`lightning_dash.DASH` with its defaults (block size 1024, roots at step 1,
@@ -18,7 +21,8 @@ then holds is counted:
   eigh roots, Adam grafting, no factors on vectors), with ``precondition_frequency`` and
   ``start_preconditioning_step`` = ``--steps``: its roots are computed at the last step;
 * ``muon``: ``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest
-  (embeddings, head, vectors), both counted;
+  (embeddings, head, vectors), both counted; off CUDA without Newton-Schulz iterations (they
+  hold no state, and their bfloat16 matmuls crawl on a CPU);
 * ``soap``: ``heavyball.SOAP`` (eager), which leaves a side longer than its
   ``max_precond_dim`` (2048) unpreconditioned.
 
@@ -40,8 +44,9 @@ The table is printed and the records are written to ``<out>/state_memory_<device
 list of ``{"device", "model", "optimizer", "routing", "block_size", "params", "state_bytes",
 "state_bytes_per_param", "cuda_allocated_bytes", "note", "date", "commit"}``.
 
-Run from the repository root (gpt2-125m takes a few minutes on 2 CPU cores, most of it in the
-eigendecompositions of one root computation per Shampoo)::
+Run from the repository root (gpt2-125m took 18 minutes on 2 shared CPU cores, almost all of
+it in the one root computation of each Shampoo: eigendecompositions of both factors of 171
+blocks of up to 1024 x 1024 for DASH's all_matrices and Meta's, of 120 for hidden)::
 
     flock /tmp/cpu_heavy.lock .venv/bin/python benchmarks/state_memory.py --device cpu
     .venv/bin/python benchmarks/state_memory.py --device cuda
@@ -88,7 +93,7 @@ Shapes = list[tuple[str, tuple[int, ...]]]
 
 DEFAULT_MODEL = "gpt2-125m"
 #: Enough for every contender's state to exist: DASH's roots come at step 1, Meta's at the last.
-DEFAULT_STEPS = 3
+DEFAULT_STEPS = 1
 #: The step-time models' embeddings (the head is tied to ``wte``): not hidden matrices.
 EMBEDDINGS = frozenset({"wte", "wpe"})
 ALL_MATRICES = "all_matrices"
@@ -216,11 +221,11 @@ def adamw(params: list[Tensor], shapes: Shapes, block_size: int, steps: int) -> 
 
 
 def dash(params: list[Tensor], shapes: Shapes, block_size: int, steps: int, routing: str) -> Built:
-    """DASH with its defaults, preconditioning the parameters that ``routing`` names (by name, as
-    the step-time models are shapes, not modules)."""
+    """DASH with its defaults and ``precondition="all_matrices"``, or for ``routing="hidden"`` the
+    hidden matrices' names (the step-time models are shapes, not modules: no ``model=``)."""
     named = [(name, param) for (name, _), param in zip(shapes, params)]
-    optimizer = DASH(named, block_size=block_size, precondition=routed_names(shapes, routing))
-    return Built([optimizer], block_size)
+    rule = ALL_MATRICES if routing == ALL_MATRICES else hidden_names(shapes)
+    return Built([DASH(named, block_size=block_size, precondition=rule)], block_size)
 
 
 def meta_shampoo(params: list[Tensor], shapes: Shapes, block_size: int, steps: int) -> Built:
@@ -319,7 +324,7 @@ def measure(
     build: Build, params: list[Tensor], grads: list[Tensor], shapes: Shapes, block_size: int, steps: int
 ) -> tuple[Built, int, int | None]:
     """Build a contender, take ``steps`` steps, and count its state: the built contender, its
-    state bytes and on CUDA the growth of ``memory_allocated`` (freed again before returning)."""
+    state bytes and, on CUDA, how much ``memory_allocated`` grew from before it was built."""
     device = params[0].device
     set_gradients(params, grads)  # allocated before the count starts
     before = allocated(device)
@@ -375,12 +380,14 @@ def run(
     return records
 
 
-def format_table(records: list[Record], closed_forms: dict[str, float]) -> str:
+def format_table(records: list[Record], shapes: Shapes, block_size: int) -> str:
     """The records as a table: state MiB and bytes per parameter, DASH's closed form beside them."""
     header = ["optimizer", "routing", "block", "state MiB", "B/param", "closed form B/param", "CUDA growth B/param"]
     rows = []
     for r in records:
-        closed = closed_forms.get(r.routing or "") if r.optimizer == "dash" else None
+        closed = None
+        if r.optimizer == "dash" and r.routing is not None:
+            closed = dash_closed_form(shapes, routed_names(shapes, r.routing), block_size) / r.params
         growth = None if r.cuda_allocated_bytes is None else r.cuda_allocated_bytes / r.params
         cells = [r.optimizer, r.routing, r.block_size]
         cells += [None if r.state_bytes is None else r.state_bytes / 2**20, r.state_bytes_per_param, closed, growth]
@@ -389,6 +396,7 @@ def format_table(records: list[Record], closed_forms: dict[str, float]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     parser = results_parser(__doc__.splitlines()[0], None, "cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument(
         "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help=f"parameter shapes (default: {DEFAULT_MODEL})"
@@ -405,17 +413,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
+    """Measure every contender, print the table and write the records; returns them."""
     args = parse_args(argv)
     device = resolve_device(args.device)
     shapes = model_parameter_shapes(args.model)
-    count = parameter_count(shapes)
-    print(f"{args.model}: {count:,} parameters in {len(shapes)} tensors on {device_label(device)}, {args.steps} steps")
+    where = f"{len(shapes)} tensors on {device_label(device)}"
+    print(f"{args.model}: {parameter_count(shapes):,} parameters in {where}; steps before counting: {args.steps}")
     records = run(shapes, args.model, device, args.block_size, args.steps, args.optimizers)
-    closed_forms = {
-        routing: dash_closed_form(shapes, routed_names(shapes, routing), args.block_size) / count
-        for routing in (ALL_MATRICES, HIDDEN)
-    }
-    print(format_table(records, closed_forms))
+    print(format_table(records, shapes, args.block_size))
     for record in records:
         if record.note:
             print(f"{record.optimizer} ({record.routing or '-'}): {record.note}")

@@ -2,8 +2,9 @@
 
 DASH's measured state must equal its closed form, recomputed here tile by tile from the
 shapes (not with the script's own helper); AdamW's must be two float32 moments per element
-and a float32 step count per tensor; views must count their storage once; and a run must
-write the documented record layout.
+and a float32 step count per tensor; one step must leave every contender all its state (the
+script's default); views must count their storage once; and a run must write the documented
+record layout.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def test_dash_and_adamw_state_match_their_closed_forms():
     assert adamw.params == params
     assert adamw.state_bytes_per_param == adamw.state_bytes / params
     assert adamw.cuda_allocated_bytes is None
+
+
+def test_one_step_holds_all_the_state():
+    """The script's default of one step: every contender's state is complete after it."""
+    names = state_memory.OPTIMIZER_NAMES
+    one, three = (state_memory.run(SHAPES, "three-tensors", torch.device("cpu"), BLOCK, s, names) for s in (1, 3))
+    assert [r.state_bytes for r in one] == [r.state_bytes for r in three]
 
 
 def test_views_count_their_storage_once_and_parameters_not_at_all():

@@ -55,6 +55,12 @@ class Settings(
     def warmup(self) -> int:
         return max(1, round(self.warmup_fraction * self.steps))
 
+    @classmethod
+    def from_args(cls, args: Any) -> Settings:
+        """The settings a race's command line gives (its flags of the same names; warm-up as default)."""
+        names = ("steps", "batch_size", "context", "depth", "heads", "eval_every", "val_windows", "max_bytes")
+        return cls(**{name: getattr(args, name) for name in names})
+
 
 @dataclass
 class Data:

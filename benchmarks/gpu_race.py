@@ -484,16 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_setup(args: argparse.Namespace) -> Setup:
     device = resolve_device(args.device)
-    settings = Settings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        context=args.context,
-        depth=args.depth,
-        heads=args.heads,
-        eval_every=args.eval_every,
-        val_windows=args.val_windows,
-        max_bytes=args.max_bytes,
-    )
+    settings = Settings.from_args(args)
     autocast = device.type == "cuda" if args.autocast is None else args.autocast
     return Setup(settings, args.width, args.seed, device, autocast, args.run_budget_s)
 

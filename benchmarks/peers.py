@@ -280,16 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     device_name = device_label(device)
-    settings = Settings(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        context=args.context,
-        depth=args.depth,
-        heads=args.heads,
-        eval_every=args.eval_every,
-        val_windows=args.val_windows,
-        max_bytes=args.max_bytes,
-    )
+    settings = Settings.from_args(args)
     path = args.out / f"peers_{device_name}.json"
     records = load_records(path)
     for other in args.merge:

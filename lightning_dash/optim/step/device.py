@@ -9,6 +9,7 @@ never waits for the decision. It learns it one step later (:mod:`.verdict`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -46,57 +47,46 @@ def step_on_device(
     TF32 tensor cores or in IEEE float32 as ``rules.matmul_precision`` says, whatever the
     process's own setting."""
     device = layout.params[min(active)].device
-    if device.type != "cuda":
-        return _step(layout, active, groups, rules, roots, distributor, device)
-    with cuda_matmuls(tf32=rules.matmul_precision in TENSOR_CORE_PRECISIONS):
-        return _step(layout, active, groups, rules, roots, distributor, device)
+    tf32 = rules.matmul_precision in TENSOR_CORE_PRECISIONS
+    with cuda_matmuls(tf32) if device.type == "cuda" else nullcontext():
+        due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
+        # Side-stream roots swap in before any statistics move (and before blocks are copied out).
+        installed = roots.begin_step(layout, due)
+        grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)
+        vectors = [vector_work(layout, vector, groups[vector.group_index], active, rules) for vector in layout.vectors]
+        vectors = [work for work in vectors if work is not None]
+        works: list[StackWork] = []
+        reports: list[FailureReport] = []
 
+        def compute(positions: list[int], grads: list[Tensor]) -> list[BlockUpdate]:
+            begun = [
+                (p, begin_stack(layout, layout.stacks[p], g, groups, active, rules)) for p, g in zip(positions, grads)
+            ]
+            placed = [(p, work) for p, work in begun if work is not None]
+            report = roots.refresh(layout, [work for _, work in placed], due)
+            reports.extend([report] if report is not None else [])
+            works.extend(work for _, work in placed)
+            return [BlockUpdate(p, work.plan, work.index, stack_direction(work, rules)) for p, work in placed]
 
-def _step(
-    layout: Layout,
-    active: set[int],
-    groups: list[dict[str, Any]],
-    rules: UpdateRules,
-    roots: RootRefresher,
-    distributor: BlockDistributor,
-    device: torch.device,
-) -> Tensor:
-    due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
-    # Side-stream roots swap in before any statistics move (and before blocks are copied out).
-    installed = roots.begin_step(layout, due)
-    grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)
-    vectors = [vector_work(layout, vector, groups[vector.group_index], active, rules) for vector in layout.vectors]
-    vectors = [work for work in vectors if work is not None]
-    works: list[StackWork] = []
-    reports: list[FailureReport] = []
-
-    def compute(positions: list[int], grads: list[Tensor]) -> list[BlockUpdate]:
-        begun = [(p, begin_stack(layout, layout.stacks[p], g, groups, active, rules)) for p, g in zip(positions, grads)]
-        placed = [(p, work) for p, work in begun if work is not None]
-        report = roots.refresh(layout, [work for _, work in placed], due)
-        reports.extend([report] if report is not None else [])
-        works.extend(work for _, work in placed)
-        return [BlockUpdate(p, work.plan, work.index, stack_direction(work, rules)) for p, work in placed]
-
-    shared = distributor.exchange_blocks([stack.plan for stack in layout.stacks], layout.params, compute)
-    refreshed = _merged(reports)
-    update_bad = any_nonfinite(shared.tensors() + [work.update for work in vectors], device)
-    flags = distributor.reduce_max(torch.stack([grad_bad, update_bad]))
-    skip = flags.amax() > 0
-    decay_weights(layout, groups, active, skip)
-    for work in vectors:
-        work.commit(skip)
-        work.apply(skip)
-    for work in works:
-        work.commit(skip)
-    shared.apply(layout.params, skip)
-    roots.launch(layout, works, due)
-    failures = _failures(installed, distributor, device)
-    if refreshed is not None:
-        # Roots of a skipped step were not committed, so they neither count nor lengthen a streak.
-        fresh = failure_summary(refreshed, distributor, device) * (~skip).to(torch.float32)
-        failures = torch.stack([failures[0] + fresh[0], torch.maximum(failures[1], fresh[1])])
-    return torch.cat([flags, failures])
+        shared = distributor.exchange_blocks([stack.plan for stack in layout.stacks], layout.params, compute)
+        refreshed = _merged(reports)
+        update_bad = any_nonfinite(shared.tensors() + [work.update for work in vectors], device)
+        flags = distributor.reduce_max(torch.stack([grad_bad, update_bad]))
+        skip = flags.amax() > 0
+        decay_weights(layout, groups, active, skip)
+        for work in vectors:
+            work.commit(skip)
+            work.apply(skip)
+        for work in works:
+            work.commit(skip)
+        shared.apply(layout.params, skip)
+        roots.launch(layout, works, due)
+        failures = _failures(installed, distributor, device)
+        if refreshed is not None:
+            # Roots of a skipped step were not committed, so they neither count nor lengthen a streak.
+            fresh = failure_summary(refreshed, distributor, device) * (~skip).to(torch.float32)
+            failures = torch.stack([failures[0] + fresh[0], torch.maximum(failures[1], fresh[1])])
+        return torch.cat([flags, failures])
 
 
 def _merged(reports: list[FailureReport]) -> FailureReport | None:

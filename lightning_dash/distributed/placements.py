@@ -14,9 +14,18 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.nn import Module
 
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span
 from lightning_dash.optim.stacks import Region
+
+#: The rule :func:`check_sharded_placements` applies, as its messages state it.
+PLACEMENT_RULE = (
+    "every shard must be a rectangle of the parameter's matrix view (its first dimension by the rest): "
+    "Shard(0) on any parameter (FSDP2's rows, column-parallel layers), Shard(1) on a 2-D weight only "
+    "(row-parallel layers), or Replicate; Partial (an unreduced sum) and a Shard of dimension 1 or above "
+    "of a 1-D, 3-D or 4-D parameter are refused"
+)
 
 
 def _placement_ok(placement: Placement, matrix: bool) -> bool:
@@ -29,21 +38,32 @@ def _placement_ok(placement: Placement, matrix: bool) -> bool:
 
 
 def check_sharded_placements(params: list[Tensor], names: list[str] | None) -> None:
-    """Refuse parameters that are not DTensors cut into rectangles (FSDP2's rows, and
-    tensor parallelism's rows or columns of a matrix, possibly replicated), naming the
-    first one."""
+    """Refuse parameters that are not DTensors cut into rectangles (:data:`PLACEMENT_RULE`),
+    naming the first one (by ``names`` when given, else by position and shape)."""
     for index, param in enumerate(params):
-        name = names[index] if names else f"parameter {index} {tuple(param.shape)}"
+        name = names[index] if names else f"parameter {index}"
         if not isinstance(param, DTensor):
             raise ValueError(
-                f"{name} is not sharded (a plain tensor): with strategy 'dash_fsdp' every parameter must "
-                "belong to a module passed to fully_shard (shard the root module last)"
+                f"{name} of shape {tuple(param.shape)} is not sharded (a plain tensor): with strategy 'dash_fsdp' "
+                "every parameter must belong to a module passed to fully_shard (shard the root module last)"
             )
         if not all(_placement_ok(placement, param.dim() == 2) for placement in param.placements):
             raise ValueError(
-                f"{name} is placed as {param.placements} on a mesh of shape {tuple(param.device_mesh.shape)}: DASH "
-                "supports parameters sharded by rows (Shard(0), as FSDP2 and column-parallel layers do), by "
-                "columns of a matrix (Shard(1), row-parallel layers) or replicated"
+                f"{name} of shape {tuple(param.shape)} is placed as {param.placements} on a mesh of shape "
+                f"{tuple(param.device_mesh.shape)}, which DASH cannot exchange: " + PLACEMENT_RULE
+            )
+
+
+def refuse_dtensor_parameters(module: Module, strategy: str) -> None:
+    """Refuse a module with DTensor parameters (tensor parallel, or sharded by the user) under a
+    data-parallel strategy, before DDP wraps it, naming the first such parameter and the fix."""
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name} is a DTensor placed as {param.placements} (the model is tensor parallel or "
+                f"sharded): strategy {strategy!r} replicates plain tensors with DDP; use strategy 'dash_fsdp' "
+                "(the Trainer's DashFSDPStrategy(tensor_parallel_size=...) with the tensor parallelism applied in "
+                "configure_model, or Fabric's DashFabricFSDPStrategy(parallelize_fn=...))"
             )
 
 

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
+from lightning_dash.distributed.placements import refuse_dtensor_parameters
 from lightning_dash.fabric.optimizers import FabricDashOptimizers, LoadTarget, convert
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
 from lightning_dash.integration.namespaces import register_each
@@ -82,6 +83,11 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         settle_gloo_workers_at_exit()
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        refuse_dtensor_parameters(module, "dash")  # before DDP's broadcast fails on them
+        return super().setup_module(module)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_dash.distributed.gloo_exit import settle_gloo_workers_at_exit
 from lightning_dash.distributed.gradient_sync import CommStats
+from lightning_dash.distributed.placements import refuse_dtensor_parameters
 from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_distributed_checkpoint, local_path
 from lightning_dash.integration.demo_gradient_sync import DemoGradientSync
 from lightning_dash.integration.namespaces import register_each
@@ -150,11 +151,13 @@ class DashStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        refuse_dtensor_parameters(self.model, self.strategy_name)  # before DDP's broadcast fails on them
         if not self._one_process:
             super().setup(trainer)
             return
         # One process: the base Strategy's setup (what SingleDeviceStrategy runs), with nothing wrapped or broadcast.
-        assert self.accelerator is not None and self.model is not None
+        assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dash.distributed.gradient_sync import CommStats
+from lightning_dash.distributed.placements import check_sharded_placements
 from lightning_dash.integration.checkpoint_files import (
     complete_checkpoint,
     is_distributed_checkpoint,
@@ -43,6 +44,7 @@ from lightning_dash.integration.sharded_checkpoint import checkpoint_state, load
 from lightning_dash.integration.traffic import fsdp_bytes_per_step
 from lightning_dash.integration.trainer_options import check_start_method, fsdp_options
 from lightning_dash.optim import DASH
+from lightning_dash.optim.stacks import param_names
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):
@@ -162,7 +164,9 @@ class DashFSDPStrategy(ModelParallelStrategy):
 
     def _convert(self, optimizer: Optimizer) -> DASH:
         dash = self.conversion.convert(optimizer, sharded_parameters=True, model=self.lightning_module)
-        name_parameters(dash, self.lightning_module)
+        named = name_parameters(dash, self.lightning_module)
+        params = [param for group in dash.param_groups for param in group["params"]]
+        check_sharded_placements(params, param_names(dash.param_groups) if named else None)  # at setup, by name
         return dash
 
     @override

@@ -26,6 +26,9 @@ from helpers.fsdp_parity import (
 )
 from helpers.lightning_parity import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import DataLoader
 
 from lightning_dash import DashStrategy
 from lightning_dash.strategies.dash_fsdp import DashFSDPStrategy
@@ -250,3 +253,36 @@ def test_resuming_from_a_truncated_file_names_it(reference_file, tmp_path, strat
     strategy = strategy_class(start_method="spawn", **DASH_OPTIONS)
     with pytest.raises(Exception, match="truncated.ckpt .*truncated or corrupted"):
         trainer(2, 4, tmp_path, strategy=strategy).fit(LMModule(reference_file), ckpt_path=truncated)
+
+
+class KernelShardedOnInputChannels(pl.LightningModule):
+    """A convolution whose ``configure_model`` shards the 3-D kernel on its input channels
+    (``Shard(1)``): not a rectangle of the kernel's (out, in * k) matrix view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 6, 3)
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for name, placement in (("weight", Shard(1)), ("bias", Shard(0))):
+            value = getattr(self.conv, name).detach()
+            setattr(self.conv, name, nn.Parameter(distribute_tensor(value, mesh, [placement])))
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("the placement is refused at setup, before any step")
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(4, 4, 8), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_a_placement_dash_cannot_exchange_is_refused_at_setup_by_module_path(tmp_path):
+    refusal = r"conv\.weight of shape \(6, 4, 3\) is placed as \(Shard\(dim=1\),\)"
+    with pytest.raises(Exception, match=refusal) as raised:
+        trainer(1, 2, tmp_path).fit(KernelShardedOnInputChannels())
+    message = str(raised.value)
+    assert "Shard(1) on a 2-D weight only" in message and "setup_optimizers" in message

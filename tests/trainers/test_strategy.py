@@ -329,3 +329,23 @@ def test_one_device_runs_without_a_process_group_or_its_messages(tmp_path):
     assert "no process group" in result.stdout
     output = result.stdout + result.stderr
     assert "Initializing distributed" not in output and "distributed_backend" not in output, output
+
+
+class TensorParallelInConfigureModel(BoringModel):
+    """A user's own tensor parallelism (``parallelize_module`` on a mesh of every rank), then ``"dash"``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(self.layer, init_device_mesh("cpu", (self.trainer.world_size,)), ColwiseParallel())
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_model_is_refused_before_ddp_wraps_it_with_the_fix(tmp_path):
+    """Without the check, DDP's first broadcast fails inside torch ("no sharding strategy registered")."""
+    strategy = DashStrategy(start_method="spawn")
+    refusal = r"parameter layer\.weight is a DTensor placed as \(Shard\(dim=0\),\)"
+    with pytest.raises(Exception, match=refusal) as raised:
+        trainer(2, 2, tmp_path, strategy=strategy).fit(TensorParallelInConfigureModel())
+    assert "use strategy 'dash_fsdp'" in str(raised.value) and "configure_ddp" not in str(raised.value)

@@ -18,7 +18,11 @@ micro-group by itself, and :func:`peak_gathered_bytes` reports the real peak.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
+
+from lightning_dash.optim.stacks import Region
 
 MIB = 1 << 20
 
@@ -73,3 +77,20 @@ def peak_gathered_bytes(
     for group, owner, footprint in zip(groups, owners, footprints):
         held[owner][group] += footprint
     return [max((mine[g] + mine[g + 1] // 2 for g in range(count)), default=0) for mine in held]
+
+
+def warn_block_above_budget(
+    tile: Region, footprint: int, peak: int, budget_mib: float, names: Sequence[str] | None
+) -> None:
+    """Warn that the largest block (``tile``, a single-block region) does not fit a
+    micro-group of ``budget_mib``: it travels alone and the step's peak passes the budget."""
+    rows, cols = tile.block_shape
+    where = names[tile.param_index] if names else f"parameter {tile.param_index}"
+    needed = math.ceil(1.5 * footprint / MIB * 1000) / 1000
+    warnings.warn(
+        f"micro_group_mib={budget_mib:g} is smaller than one block: the {rows}x{cols} block of {where} at rows "
+        f"{tile.row_start}:{tile.row_start + rows}, columns {tile.col_start}:{tile.col_start + cols} needs "
+        f"{footprint / MIB:.3g} MiB (its gradient and update) and travels alone, so a step holds up to "
+        f"{peak / MIB:.3g} MiB of whole blocks; set micro_group_mib to at least {needed:g} or lower block_size",
+        stacklevel=2,
+    )

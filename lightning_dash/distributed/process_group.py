@@ -95,7 +95,9 @@ class ProcessGroupDistributor(WholeParameters):
         self._costs = dict(zip(keys, costs))
         return owners
 
-    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+    def plan_stacks(
+        self, regions: list[Region], params: list[Tensor], frequencies: list[int], names: list[str] | None = None
+    ) -> list[StackPlan]:
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
         owners = self.assign_owners(
             keys=[(t.param_index, t.row_start, t.col_start) for t, _ in tiles],

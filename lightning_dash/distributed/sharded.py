@@ -27,6 +27,7 @@ from lightning_dash.distributed.micro_groups import (
     capacity_bytes,
     check_micro_group_mib,
     peak_gathered_bytes,
+    warn_block_above_budget,
 )
 from lightning_dash.distributed.piece_exchange import PieceExchange, Runs, holder_preferences, plan_rank
 from lightning_dash.distributed.placements import check_sharded_placements, sharded_holdings
@@ -194,10 +195,12 @@ class ShardedDistributor(ProcessGroupDistributor):
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
 
-    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
-        check_sharded_placements(params, None)
+    def plan_stacks(
+        self, regions: list[Region], params: list[Tensor], frequencies: list[int], names: list[str] | None = None
+    ) -> list[StackPlan]:
+        check_sharded_placements(params, names)
         tiles = [(tile, frequency) for region, frequency in zip(regions, frequencies) for tile in region.single_tiles()]
-        holdings = sharded_holdings(regions, params, None, self.process_group)
+        holdings = sharded_holdings(regions, params, names, self.process_group)
         keys = [(t.param_index, t.row_start, t.col_start) for t, _ in tiles]
         owners = self.assign_owners(
             keys=keys,
@@ -209,7 +212,11 @@ class ShardedDistributor(ProcessGroupDistributor):
         footprints = [2 * t.block_shape[0] * t.block_shape[1] * sizes[t.param_index] for t, _ in tiles]
         capacity = None if self.micro_group_mib is None else capacity_bytes(self.micro_group_mib)
         groups = assign_micro_groups([self._costs[key] for key in keys], owners, footprints, capacity)
-        self._peak_gathered_bytes = peak_gathered_bytes(groups, owners, footprints, self.world_size)[self.rank]
+        peaks = peak_gathered_bytes(groups, owners, footprints, self.world_size)
+        self._peak_gathered_bytes = peaks[self.rank]
+        if self.rank == 0 and capacity is not None and max(footprints, default=0) > capacity:
+            largest = max(range(len(tiles)), key=lambda index: footprints[index])
+            warn_block_above_budget(tiles[largest][0], footprints[largest], max(peaks), self.micro_group_mib, names)
         plans: list[StackPlan] = []
         self._groups = []
         for group_regions, group_owners in _group_regions(regions, owners, groups):

@@ -71,11 +71,14 @@ class BlockDistributor(Protocol):
         """max / mean of the per-rank cost of the current ownership (not collective)."""
         ...
 
-    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+    def plan_stacks(
+        self, regions: list[Region], params: list[Tensor], frequencies: list[int], names: list[str] | None = None
+    ) -> list[StackPlan]:
         """The stacks of the blocks this rank owns (not collective: deterministic on every rank).
 
         ``regions`` are every block region of every parameter, ``frequencies`` the
-        ``precondition_frequency`` of each region's parameter (for the cost model).
+        ``precondition_frequency`` of each region's parameter (for the cost model),
+        ``names`` every parameter's name (for messages).
         Blocks planned before keep their owner.
         """
         ...
@@ -181,7 +184,9 @@ class LocalDistributor(WholeParameters):
     world_size = 1
     balance = 1.0
 
-    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+    def plan_stacks(
+        self, regions: list[Region], params: list[Tensor], frequencies: list[int], names: list[str] | None = None
+    ) -> list[StackPlan]:
         return stacks_by_placement(regions, params)
 
     def share_updates(self, updates: list[BlockUpdate]) -> SharedUpdates:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -77,9 +78,35 @@ def check_extreme_scales(rank: int, world_size: int) -> None:
             torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-9, atol=1e-9)
 
 
+def check_a_budget_below_one_block_is_named(rank: int, world_size: int) -> None:
+    """0.0005 MiB (524 bytes) cannot hold a float64 8x8 block's gradient and update (1,024 bytes):
+    one warning, on rank 0, names the largest block and the budget that would hold it."""
+    model = sharded(network().double())
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    named = [{"params": list(model.parameters()), "param_names": [n for n, _ in model.named_parameters()]}]
+    optimizer = DASH(named, distributor=ShardedDistributor(micro_group_mib=0.0005), **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    said = [str(w.message) for w in caught if "micro_group_mib" in str(w.message)]
+    if rank != 0:
+        assert said == []
+        return
+    assert len(said) == 1, said
+    assert said[0].startswith("micro_group_mib=0.0005 is smaller than one block: the 8x8 block of 2.weight at rows 0:8")
+    assert "needs 0.000977 MiB" in said[0] and "at least 0.002 or lower block_size" in said[0]
+    assert optimizer.distributor.peak_gathered_bytes >= 1024
+
+
+def check_extreme_scales_and_a_small_budget(rank: int, world_size: int) -> None:
+    check_extreme_scales(rank, world_size)
+    check_a_budget_below_one_block_is_named(rank, world_size)
+
+
 @pytest.mark.multiprocess
-def test_sharded_dash_at_extreme_gradient_scales(tmp_path):
-    spawn(check_extreme_scales, 2, tmp_path)
+def test_sharded_dash_at_extreme_gradient_scales_and_a_budget_below_one_block(tmp_path):
+    spawn(check_extreme_scales_and_a_small_budget, 2, tmp_path)
 
 
 def check_parity_and_memory(rank: int, world_size: int, micro_group_mib: float | None) -> None:

@@ -83,7 +83,9 @@ class VectorGroup:
 class Placement(Protocol):
     """Where parameters live across ranks (the part of a ``BlockDistributor`` a layout needs)."""
 
-    def plan_stacks(self, regions: list[Region], params: list[Tensor], frequencies: list[int]) -> list[StackPlan]:
+    def plan_stacks(
+        self, regions: list[Region], params: list[Tensor], frequencies: list[int], names: list[str] | None = None
+    ) -> list[StackPlan]:
         """The stacks of the blocks this rank owns."""
         ...
 
@@ -253,13 +255,14 @@ def stack_state(
         saved[index] = entry
     regions = matrix_regions(views, block_size)
     frequencies = [param_groups[group_of[r.param_index]]["precondition_frequency"] for r in regions]
+    names = param_names(param_groups)
     layout = build_layout(
         params,
         group_of,
-        param_names(param_groups),
+        names,
         views,
         saved,
-        placement.plan_stacks(regions, params, frequencies),
+        placement.plan_stacks(regions, params, frequencies, names),
         block_size,
         want_momentum=any(group["betas"][0] > 0 for group in param_groups),
         want_second_moment=want_second_moment,

@@ -56,13 +56,6 @@ def _positive(name: str, value: Any) -> float:
     return check_number(name, value, low=0.0, low_open=True)
 
 
-def _positive_finite(name: str, value: Any) -> float:
-    value = _positive(name, value)
-    if value == float("inf"):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
 def _step_count(meaning: str = "") -> Callable[[str, Any], int]:
     """A check that raises ValueError for every value that is not an integer >= 1 (a bool, a float,
     a string such as "auto", 0), the message naming the option and, if given, what it counts."""
@@ -148,7 +141,7 @@ class DashConfig:
         "multiplies the lr of the grafted Shampoo direction of preconditioned blocks only (not of 1-D or "
         "Adam-routed parameters, not the weight decay); 1: grafting already gives each block the grafting "
         "optimizer's step size, so that optimizer's tuned lr carries over (version 0.4 used 8 for Adam sources)",
-        _positive_finite,
+        _positive,
     )
     block_size: int = _option(1024, "largest tile side; remainders form smaller tiles", _at_least(1))
     precondition: PreconditionRule = _option(

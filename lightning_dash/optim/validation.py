@@ -8,6 +8,7 @@ rather than as a NaN many steps later.
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -42,15 +43,16 @@ def did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
 def check_number(
     name: str, value: Any, *, low: float, high: float | None = None, low_open: bool = False, high_open: bool = False
 ) -> float:
-    """Check ``low <(=) value <(=) high`` for a real number and return it as float."""
+    """Check ``low <(=) value <(=) high`` for a real number and return it as float; with no
+    ``high`` the number must be finite (``inf`` is refused like any value out of range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     value = float(value)
     too_low = value <= low if low_open else value < low
-    too_high = high is not None and (value >= high if high_open else value > high)
+    too_high = value == math.inf if high is None else (value >= high if high_open else value > high)
     if too_low or too_high or value != value:
         left = "(" if low_open else "["
-        right = ")" if high_open else "]"
+        right = ")" if high_open or high is None else "]"
         upper = "inf" if high is None else high
         raise ValueError(f"{name} must be in {left}{low}, {upper}{right}, got {value!r}")
     return value

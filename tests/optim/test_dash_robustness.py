@@ -21,6 +21,10 @@ def params(*shapes):
     [
         (dict(lr=-1e-3), "lr"),
         (dict(lr=math.nan), "lr"),
+        (dict(lr=math.inf), r"lr must be in \[0.0, inf\), got inf"),
+        (dict(weight_decay=math.inf), r"weight_decay must be in \[0.0, inf\), got inf"),
+        (dict(epsilon=math.inf), r"epsilon must be in \(0.0, inf\), got inf"),
+        (dict(grafting_epsilon=math.inf), r"grafting_epsilon must be in \(0.0, inf\), got inf"),
         (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
         (dict(betas=(0.9, 1.5)), r"betas\[1\]"),
         (dict(betas=(-0.1, 0.9)), r"betas\[0\]"),

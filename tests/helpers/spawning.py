@@ -27,4 +27,14 @@ def _run(rank: int, world_size: int, init_file: str, check) -> None:
 
 
 def spawn(check, world_size: int, tmp_path) -> None:
-    mp.spawn(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size)
+    """Run ``check(rank, world_size)`` in ``world_size`` processes; an interrupted run (Ctrl-C,
+    SIGTERM) ends them rather than leaving them to wait for their peers."""
+    ranks = mp.start_processes(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size, join=False)
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.terminate()
+        raise

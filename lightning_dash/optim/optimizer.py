@@ -191,20 +191,21 @@ class DASH(torch.optim.Optimizer):
         return preconditioned_blocks(self._keeper.layout)
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **overrides: Any) -> DASH:
-        """DASH over ``optimizer``'s own parameter-group dictionaries.
+    def from_optimizer(
+        cls, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None, **overrides: Any
+    ) -> DASH:
+        """DASH over ``optimizer``'s own parameter-group dictionaries, so its schedulers keep working.
 
         Learning rates, momenta, epsilons and weight decay map onto DASH and its grafting (Adam-family
-        optimizers graft Adam, SGD grafts SGD, ...); schedulers attached to ``optimizer`` keep editing the
-        same dictionaries. Keyword overrides set any :class:`~lightning_dash.optim.config.DashConfig` option
-        (per-group ones in every group); ``factor_decay`` sets ``betas[1]``. A DASH optimizer is returned
-        unchanged. A subclass that overrides its base class's ``step`` is refused (its update rule would be
-        lost) unless ``allow_custom_step=True``. What the recipe became is logged (INFO, ``lightning_dash``).
-        """
+        optimizers graft Adam, SGD grafts SGD, ...). Keyword overrides set any
+        :class:`~lightning_dash.optim.config.DashConfig` option; ``factor_decay`` sets ``betas[1]``;
+        ``model`` routes the parameters as the strategies do (see ``DASH(..., model=)``). A DASH optimizer
+        is returned unchanged; a subclass overriding ``step`` is refused unless ``allow_custom_step=True``.
+        What the recipe became is logged (INFO, ``lightning_dash``)."""
         if isinstance(optimizer, DASH):
             return optimizer
         groups, options = converted_groups(optimizer, overrides)
-        return announced(cls(groups, **options), optimizer)
+        return announced(cls(groups, model=model, **options), optimizer)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after training started); its hyperparameters are checked."""

@@ -228,3 +228,17 @@ def test_attach_model_enables_hidden_after_construction():
     toy_loss(model, 0).backward()
     dash.step()
     assert dash.owned_blocks > 0
+
+
+def test_a_converted_optimizer_given_the_model_routes_as_the_strategies_do():
+    """``DASH.from_optimizer(adamw, model=model)`` (plain PyTorch) against what the Trainer's
+    conversion does (``ConversionOptions.convert(..., model=)``) and against ``DASH(..., model=)``."""
+    from lightning_dash.integration.options import ConversionOptions
+
+    model = ToyMoE()
+    converted = DASH.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model).preconditioning()
+    strategy = ConversionOptions.build().convert(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    assert converted == strategy.preconditioning() == DASH(model.parameters(), model=model).preconditioning()
+    assert converted["embed.weight"] is None and converted["qkv.weight"] is not None
+    unnamed = DASH.from_optimizer(torch.optim.AdamW(model.named_parameters(), lr=1e-3)).preconditioning()
+    assert unnamed["embed.weight"] == MatrixView(11, 6)  # without the model: every matrix

@@ -209,3 +209,25 @@ def test_grafting_norm_matches_its_optimizer(grafting):
         for c in range(0, 4, 2):
             expected = reference[r : r + 2, c : c + 2].norm()
             torch.testing.assert_close(step[r : r + 2, c : c + 2].norm(), expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("relative_epsilon", [True, False])
+def test_float64_parameters_take_the_float64_reference_steps_to_roundoff(relative_epsilon):
+    """float64 parameters keep the damping in float64 too: a large epsilon (0.3) makes a float32
+    epsilon visible (about 6e-9 of the movement), far above float64's roundoff."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(8, 8), (8, 4)]
+    initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(6)]
+    options = dict(lr=0.1, block_size=4, precondition_frequency=2, epsilon=0.3, relative_epsilon=relative_epsilon)
+    params = [torch.nn.Parameter(x.clone()) for x in initial]
+    optimizer = DASH(params, inverse_root_method="eigh", **options)
+    reference = ReferenceDash(**options)
+    expected = [x.clone() for x in initial]
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        reference.step(expected, step_grads)
+    for param, want, start in zip(params, expected, initial):
+        assert (param.detach() - want).norm() <= 1e-13 * (want - start).norm()

@@ -84,11 +84,13 @@ def root_inputs(work: StackWork, bias_correction: bool) -> tuple[Tensor, Tensor,
             ],
             counts,
             device,
+            torch.float64,  # as the factor scales
         )
-        scale = scale / (correction.double() if isinstance(correction, Tensor) else correction)
-    eps = per_block([g["epsilon"] for g in groups], counts, device)
+        scale = scale / correction
+    # The damping in the statistics' dtype (a float32 epsilon moves float64 steps by about 1e-9).
+    eps = per_block([g["epsilon"] for g in groups], counts, device, left.dtype)
     if not isinstance(eps, Tensor):
-        eps = torch.full((left.shape[0],), eps, device=device)
+        eps = torch.full((left.shape[0],), eps, device=device, dtype=left.dtype)
     return left, right, scale, eps
 
 

@@ -3,7 +3,8 @@
 Every family of :mod:`family_models` (a CNN on images, a GRU, GPT pretraining, GPT fine-tuning
 from a checkpoint, a residual MLP on tabular data of 350 and of 3,500 rows, an embedding-heavy
 bag-of-words classifier, a mixture-of-experts transformer with 3-D expert weights, a Hugging Face
-GPT-2) is a
+GPT-2), and the five of :mod:`family_models_wider` (an encoder-decoder transformer, a U-Net, a
+Hugging Face BERT classifier, the GPT at 3x its steps, the GRU at a hotter lr) is a
 LightningModule whose ``configure_optimizers`` returns AdamW with warm-up + cosine. It is
 trained through ``lightning.Trainer`` twice per seed: once as it is, once with
 ``strategy=DashStrategy(**variant)`` added (``{}``: DASH's defaults), nothing else changed.
@@ -46,11 +47,16 @@ import torch  # noqa: E402
 from _environment import suite_environment  # noqa: E402
 from _families_report import table, timing_table  # noqa: E402
 from common import RESULTS_DIR, format_columns, markdown_table, write_json  # noqa: E402
-from family_models import FAMILIES, Family  # noqa: E402
+from family_models import FAMILIES as FIRST_FAMILIES  # noqa: E402
+from family_models import Family  # noqa: E402
+from family_models_wider import WIDER  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from lightning_dash import DashStrategy  # noqa: E402
 from lightning_dash.showcase.quiet import quiet_third_party_output  # noqa: E402
+
+#: The first nine families and the five of :mod:`family_models_wider`.
+FAMILIES: dict[str, Family] = {**FIRST_FAMILIES, **WIDER}
 
 #: DASH variants every run of the suite includes: DASH's defaults, and version 0.4's defaults by name (as
 #: near as today's DASH gets: 0.4 also stepped 1-D parameters at 8x the lr, which ``lr_scale`` no longer does).

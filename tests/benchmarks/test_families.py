@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_dash import DashConfig
 
@@ -80,3 +81,23 @@ def test_timing_rows_give_the_roots_share_against_the_run_with_roots_computed_on
     assert rows["dash"]["roots_share"] == pytest.approx(1 - 3.0 / 4.0)
     assert rows["adamw"]["roots_share"] is None and rows[name]["roots_share"] is None
     assert rows["dash"]["step_ratio"] == pytest.approx(2.0)
+
+
+def test_the_wider_families_build_their_data_and_models_as_described():
+    """The five later families: each takes a finite loss on its first batch; the denoising data
+    corrupt about 15% of the bytes and add noise of standard deviation 0.3; the BERT classifier
+    masks its padding (a sequence padded further gives the same logits, unlike the unmasked model)."""
+    wider = load("family_models_wider")
+    for name, family in wider.WIDER.items():
+        batch = next(iter(family.train_loader(seed=0, steps=1)))
+        assert math.isfinite(float(family.module(1e-3, seed=0).loss(batch))), name
+    (corrupted, clean), _ = wider.corrupted_english()
+    assert 0.12 < float((corrupted != clean).float().mean()) < 0.16  # 15%, less the draws of the same byte
+    (noisy, images), _ = wider.noisy_digits()
+    assert abs(float((noisy - images).std()) - 0.3) < 0.01
+    classifier = wider.tiny_bert().eval()
+    padded, shorter = torch.tensor([[5, 9, 13, 7, 0, 0]]), torch.tensor([[5, 9, 13, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(classifier(padded), classifier(shorter))
+        unmasked = classifier.model(input_ids=padded).logits  # the same model reading its padding
+        assert not torch.allclose(unmasked, classifier(shorter))

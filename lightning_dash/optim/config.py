@@ -19,6 +19,7 @@ from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
 from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
 from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
 from lightning_dash.optim.step.grafting import GRAFTING_TYPES
+from lightning_dash.optim.step.schedule import ROOT_SCHEDULES
 from lightning_dash.optim.validation import (
     check_betas,
     check_bool,
@@ -220,6 +221,25 @@ class DashConfig:
     bias_correction: bool = _option(
         True, "correct momentum, factors and Adam's second moment for their zero initialisation", check_bool
     )
+    factor_bias_correction: bool = _option(
+        True,
+        "with bias_correction, divide the Kronecker factors by 1 - betas[1]^t before damping them (False: damp "
+        "the raw averages, as the DASH paper's code does; grafting leaves the factors' scale to matter only "
+        "against epsilon)",
+        check_bool,
+    )
+    root_schedule: str = _option(
+        "from_start",
+        "steps that recompute the roots, for start_preconditioning_step s and precondition_frequency f: "
+        "from_start (s, s + f, s + 2f, ...); multiples (s, then every multiple of f: 1, f, 2f, ... as the DASH "
+        "paper's code)",
+        _one_of(ROOT_SCHEDULES),
+    )
+    decay_vectors: bool = _option(
+        True,
+        "whether weight_decay shrinks 1-D parameters too (False: matrices only, as the DASH paper's code)",
+        check_bool,
+    )
     root_iterations: int | None = _option(
         None,
         "iterations per pass of the Newton solvers; None: as many as the damping needs, planned on the host",
@@ -262,6 +282,15 @@ class DashConfig:
         check_option_names(options)
         return dataclasses.replace(config or cls(), **options)
 
+    @classmethod
+    def paper(cls, **options: Any) -> DashConfig:
+        """The DASH paper's algorithm as its authors' code computes it (their ``DashLayerwise`` with
+        eigendecomposition roots), ``options`` replacing any of its values: inverse fourth roots of
+        every matrix's factors, damped by an absolute 1e-10 that their eigendecomposition adds twice
+        (``epsilon=2e-10``) before any bias correction, recomputed at steps 1, f, 2f, ...; Adam grafting
+        and Adam on 1-D parameters; weight decay on matrices only; no Nesterov momentum."""
+        return cls.build(cls(**PAPER), **options)
+
     def group_defaults(self) -> dict[str, Any]:
         """The per-group options, as the defaults of a torch optimizer's ``param_groups``."""
         return {name: getattr(self, name) for name in GROUP_OPTIONS}
@@ -285,6 +314,19 @@ class DashConfig:
             matmul_precision=resolve_matmul_precision(self.matmul_precision),
         )
 
+
+#: What :meth:`DashConfig.paper` changes from the defaults.
+PAPER: dict[str, Any] = {
+    "root_order": 4,
+    "inverse_root_method": "eigh",
+    "epsilon": 2e-10,
+    "relative_epsilon": False,
+    "factor_bias_correction": False,
+    "root_schedule": "multiples",
+    "decay_vectors": False,
+    "nesterov": False,
+    "precondition": "all_matrices",
+}
 
 #: Every option's name, in declaration order.
 OPTION_NAMES: tuple[str, ...] = tuple(spec.name for spec in dataclasses.fields(DashConfig))

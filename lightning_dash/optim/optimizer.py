@@ -97,7 +97,7 @@ class DASH(torch.optim.Optimizer):
         #: when the stacks are built, once the parameters' device is final).
         self.roots = RootRefresher(
             self._config.root_settings,
-            self._config.bias_correction,
+            self._config.bias_correction and self._config.factor_bias_correction,
             self._config.async_preconditioning,
             self._config.max_staleness,
         )

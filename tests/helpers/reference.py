@@ -54,6 +54,9 @@ class ReferenceDash:
     nesterov: bool = True
     lr_scale: float = 1.0
     root_delay: int = 0
+    factor_bias_correction: bool = True  # False: damp the raw factor averages
+    root_schedule: str = "from_start"  # "multiples": roots at start, then at every multiple of the frequency
+    decay_vectors: bool = True  # False: weight decay on matrices only
     state: dict = field(default_factory=dict)
 
     def step(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -80,7 +83,7 @@ class ReferenceDash:
         st = self.state.setdefault(index, {"t": 0, "m": torch.zeros_like(param), "v": torch.zeros_like(param)})
         st["t"] += 1
         _, direction = self._adam_direction(st, grad.double(), st["t"])
-        param.mul_(1 - self.lr * self.weight_decay).sub_(self.lr * direction)
+        param.mul_(1 - self.lr * self.weight_decay if self.decay_vectors else 1.0).sub_(self.lr * direction)
 
     def _damping(self, factor: Tensor) -> float:
         """``epsilon``, times the factor's Frobenius norm when it is relative."""
@@ -119,7 +122,10 @@ class ReferenceDash:
             st["t"] += 1
             t, b2 = st["t"], self.betas[1]
             start, freq = self.start_preconditioning_step, self.precondition_frequency
-            due = t >= start and (t - start) % freq == 0
+            if self.root_schedule == "multiples":
+                due = t == start or (t > start and t % freq == 0)
+            else:
+                due = t >= start and (t - start) % freq == 0
             if st["pending"] is not None and (due or t >= st["pending"][0]):
                 _, st["Lr"], st["Rr"] = st["pending"]
                 st["pending"] = None
@@ -128,7 +134,7 @@ class ReferenceDash:
             st["R"] = b2 * st["R"] + new * g.T @ g
             m_hat, adam = self._adam_direction(st, g, t)
             if due:
-                correction = 1 - b2**t if b2 < 1 else 1.0
+                correction = 1 - b2**t if b2 < 1 and self.factor_bias_correction else 1.0
                 left_factor, right_factor = st["L"] / correction, st["R"] / correction
                 left = inverse_root(left_factor, self._damping(left_factor), self.root_order)
                 right = inverse_root(right_factor, self._damping(right_factor), self.root_order)

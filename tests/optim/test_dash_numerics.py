@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers.reference import ReferenceDash, inverse_root
 
-from lightning_dash import DASH
+from lightning_dash import DASH, DashConfig
+from lightning_dash.optim.step.schedule import roots_due
 
 
 def controlled_matrix(rows: int, cols: int, low: float, high: float, seed: int) -> torch.Tensor:
@@ -231,3 +232,58 @@ def test_float64_parameters_take_the_float64_reference_steps_to_roundoff(relativ
         reference.step(expected, step_grads)
     for param, want, start in zip(params, expected, initial):
         assert (param.detach() - want).norm() <= 1e-13 * (want - start).norm()
+
+
+def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
+    """``DashConfig.paper()`` in float64 against the float64 reference set to the paper's algorithm
+    (fourth roots, absolute damping of the raw factors, roots at 1, f, 2f, ..., weight decay on
+    matrices only, no Nesterov); DASH's defaults, a different algorithm, land far from it."""
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(8, 8), (8, 4), (8,)]
+    initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(8)]
+    common = dict(lr=0.05, weight_decay=0.1, block_size=4, precondition_frequency=3)
+    reference = ReferenceDash(
+        root_order=4,
+        epsilon=2e-10,
+        relative_epsilon=False,
+        factor_bias_correction=False,
+        root_schedule="multiples",
+        decay_vectors=False,
+        nesterov=False,
+        **common,
+    )
+    expected = [x.clone() for x in initial]
+    runs = {}
+    for name, config in (("paper", DashConfig.paper(**common)), ("defaults", DashConfig(**common))):
+        params = [torch.nn.Parameter(x.clone()) for x in initial]
+        optimizer = DASH(params, config=config)
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        runs[name] = params
+    for step_grads in grads:
+        reference.step(expected, step_grads)
+    moved = [want - start for want, start in zip(expected, initial)]
+    distances = {
+        name: [float((p.detach() - want).norm() / move.norm()) for p, want, move in zip(params, expected, moved)]
+        for name, params in runs.items()
+    }
+    assert max(distances["paper"]) <= 1e-12, distances
+    assert min(distances["defaults"]) > 1e-2, distances
+
+
+@pytest.mark.parametrize(
+    "schedule, start, frequency, due",
+    [
+        ("from_start", 1, 10, [1, 11, 21]),
+        ("multiples", 1, 10, [1, 10, 20]),
+        ("multiples", 5, 5, [5, 10, 15, 20]),
+        ("multiples", 3, 10, [3, 10, 20]),
+        ("from_start", 3, 10, [3, 13]),
+    ],
+)
+def test_root_schedules_name_the_steps_that_refresh(schedule, start, frequency, due):
+    group = {"start_preconditioning_step": start, "precondition_frequency": frequency}
+    assert [t for t in range(1, 23) if roots_due(t, group, schedule)] == due

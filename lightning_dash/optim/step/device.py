@@ -20,6 +20,7 @@ from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, cuda_matmuls
 from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
+from lightning_dash.optim.step.schedule import roots_due
 from lightning_dash.optim.step.update import (
     StackWork,
     UpdateRules,
@@ -27,7 +28,6 @@ from lightning_dash.optim.step.update import (
     begin_stack,
     decay_weights,
     local_peaks,
-    roots_due,
     stack_direction,
     vector_work,
 )
@@ -49,7 +49,10 @@ def step_on_device(
     device = layout.params[min(active)].device
     tf32 = rules.matmul_precision in TENSOR_CORE_PRECISIONS
     with cuda_matmuls(tf32) if device.type == "cuda" else nullcontext():
-        due = any(layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]]) for i in active)
+        due = any(
+            layout.preconditioned(i) and roots_due(layout.steps[i], groups[layout.group_of[i]], rules.root_schedule)
+            for i in active
+        )
         # Side-stream roots swap in before any statistics move (and before blocks are copied out).
         installed = roots.begin_step(layout, due)
         grad_bad = (~torch.isfinite(local_peaks(layout, active, device))).any().to(torch.float32)
@@ -73,7 +76,7 @@ def step_on_device(
         update_bad = any_nonfinite(shared.tensors() + [work.update for work in vectors], device)
         flags = distributor.reduce_max(torch.stack([grad_bad, update_bad]))
         skip = flags.amax() > 0
-        decay_weights(layout, groups, active, skip)
+        decay_weights(layout, groups, active, skip, rules.decay_vectors)
         for work in vectors:
             work.commit(skip)
             work.apply(skip)

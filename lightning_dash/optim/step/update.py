@@ -24,6 +24,7 @@ from lightning_dash.optim.stacks.uploads import upload, upload_runs
 from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
+from lightning_dash.optim.step.schedule import roots_due
 
 if TYPE_CHECKING:
     from lightning_dash.optim.config import DashConfig
@@ -42,6 +43,8 @@ class UpdateRules:
     compiled: bool = False
     lr_scale: float = 1.0  # of the grafted Shampoo direction only: vectors and fallbacks step at the lr itself
     matmul_precision: str = precision.FLOAT32  # of float32 matmuls, resolved (lightning_dash.optim.precision)
+    root_schedule: str = "from_start"  # lightning_dash.optim.step.schedule
+    decay_vectors: bool = True  # whether weight decay moves 1-D parameters too
 
     @classmethod
     def of(cls, config: DashConfig) -> UpdateRules:
@@ -53,6 +56,8 @@ class UpdateRules:
             config.compile,
             config.lr_scale,
             resolve_matmul_precision(config.matmul_precision),
+            config.root_schedule,
+            config.decay_vectors,
         )
 
     @property
@@ -90,12 +95,6 @@ def block_table(
 def blockwise(value: PerBlock) -> PerBlock:
     """Shape a per-block vector to broadcast over ``(n, rows, cols)``."""
     return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
-
-
-def roots_due(step: int, group: dict[str, Any]) -> bool:
-    """Whether a block at its ``step`` recomputes its roots: at start, start + f, ..."""
-    start = group["start_preconditioning_step"]
-    return step >= start and (step - start) % group["precondition_frequency"] == 0
 
 
 def momentum_terms(rules: UpdateRules, steps: list[int], betas1: list[float]) -> list[float]:
@@ -147,13 +146,14 @@ def gradients_all_zero(layout: Layout, active: set[int], reduce_max: Callable[[T
     return bool(reduce_max(peaks.max().view(1)).item() == 0)
 
 
-def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int], skip: Tensor) -> None:
-    """Decoupled weight decay ``W <- W (1 - lr wd)`` of the moving parameters (none when
-    the 0-d bool ``skip`` is set)."""
+def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int], skip: Tensor, vectors: bool) -> None:
+    """Decoupled weight decay ``W <- W (1 - lr wd)`` of the moving parameters, 1-D ones too
+    if ``vectors`` (none when the 0-d bool ``skip`` is set)."""
     for group_index, group in enumerate(groups):
         factor = 1.0 - group["lr"] * group["weight_decay"]
         if factor != 1.0:
             moving = [i for i in sorted(active) if layout.group_of[i] == group_index]
+            moving = moving if vectors else [i for i in moving if layout.params[i].dim() >= 2]
             decayed = [layout.local(layout.params[i]) for i in moving]
             if decayed:
                 torch._foreach_mul_(decayed, torch.where(skip, 1.0, torch.full_like(skip, factor, dtype=torch.float64)))
@@ -309,7 +309,7 @@ def begin_stack(
         advance_blocks, rules.compiled
     )(grad, state.left_factor, state.right_factor, state.factor_scale, momentum, rms, *scalars, rules)
 
-    due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g)]
+    due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g, rules.root_schedule)]
     due = None
     if due_regions and len(due_regions) < len(plan.regions):
         due = upload_runs([(plan.regions[k].stack_offset, counts[k]) for k in due_regions], device)

@@ -65,7 +65,9 @@ class Contender:
     """One optimizer of the race: how to build it, its lr grid, what it needs installed."""
 
     name: str
-    family: str  # adamw, muon, soap, psgd, meta, dash, converted (AdamW turned into DASH by from_optimizer)
+    #: adamw, muon, soap, psgd, meta, dash, converted (AdamW turned into DASH by from_optimizer), strategy
+    #: (the same with the model, every DASH option at its default: what ``strategy="dash"`` makes of it)
+    family: str
     lrs: tuple[float, ...]
     options: dict[str, Any] = field(default_factory=dict)
     #: a module that must be importable, or None
@@ -92,9 +94,12 @@ CONTENDERS: dict[str, Contender] = {
     ),
     **{name: Contender(name, "dash", DASH_LRS, options) for name, options in DASH_VARIANTS.items()},
     "dash-from-adamw": Contender("dash-from-adamw", "converted", ADAMW_LRS),
+    "dash-strategy-defaults": Contender("dash-strategy-defaults", "strategy", ADAMW_LRS),
 }
+#: The contenders that take AdamW's recipe, lr included, and run at AdamW's best lr only.
+FROM_ADAMW = ("converted", "strategy")
 #: The contenders that run at the larger widths by default.
-LARGE_DEFAULT = ("adamw", "muon", "soap", "dash-eigh", "dash-from-adamw")
+LARGE_DEFAULT = ("adamw", "muon", "soap", "dash-eigh", "dash-from-adamw", "dash-strategy-defaults")
 #: The DASH variant of the lr-transfer summary.
 TRANSFER_DASH = "dash-eigh"
 
@@ -175,6 +180,9 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
     if family == "converted":  # AdamW's recipe, lr included, handed to DASH as a trainer's conversion does
         adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         return DASH.from_optimizer(adamw, block_size=DASH_BLOCK_SIZE, **contender.options)
+    if family == "strategy":  # what strategy="dash" makes of it: the model for routing, DASH's defaults otherwise
+        adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        return DASH.from_optimizer(adamw, model=model)
     if family == "dash":
         # DASH's defaults, but for the block size; a variant's options override the shared ones.
         options = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "block_size": DASH_BLOCK_SIZE, **contender.options}

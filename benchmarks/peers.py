@@ -53,6 +53,9 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
 * ``dash-from-adamw``: the AdamW above handed to ``DASH.from_optimizer`` (``block_size=256``), as
   the trainers' conversions do: AdamW's lr, DASH's ``lr_scale`` for Adam sources. It runs at AdamW's
   best lr of the width only (the claim it tests: a tuned AdamW recipe is a good DASH recipe).
+* ``dash-strategy-defaults``: what ``strategy="dash"`` makes of that AdamW (``from_optimizer`` with
+  the model, so ``"auto"`` routing keeps the byte embedding and the head on Adam; every other
+  option DASH's default, block size 1024 included), also at AdamW's best lr only.
 
 Protocol, per width (``--widths``; the first is the main size, the others are "larger"): each
 contender runs every lr of its grid (``--lrs-<name>``; halvings and doublings: AdamW 3e-3 to
@@ -126,7 +129,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _environment import race_environment
 from _peers_analysis import best_lr, load_records, lr_sweep, merge, record_key, runs_of
-from _peers_contenders import CONTENDERS, GRAFTED_LRS, LARGE_DEFAULT, Contender, Unavailable
+from _peers_contenders import CONTENDERS, FROM_ADAMW, GRAFTED_LRS, LARGE_DEFAULT, Contender, Unavailable
 from _peers_report import fmt, report, write_results
 from _peers_train import Data, Settings, load_data, train_run, unavailable_record
 from common import device_label, resolve_device, results_parser
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
                 contender = registry[name]
                 if name in CONTENDERS:
                     contender = replace(contender, lrs=tuple(getattr(args, flag)))
-                if contender.family == "converted":  # the claim under test: AdamW's best lr, unchanged
+                if contender.family in FROM_ADAMW:  # the claim under test: AdamW's best lr, unchanged
                     adamw_lr = best_lr(records, "adamw", width, settings.steps)
                     lrs = [adamw_lr] if adamw_lr is not None else list(contender.lrs)
                 elif large:
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
                 records, ok = run_grid(records, contender, lrs, seeds[:1], width, settings, data, device, args, path)
                 if not ok:
                     continue
-                for _ in range(0 if large or contender.family == "converted" else args.extend_edges):
+                for _ in range(0 if large or contender.family in FROM_ADAMW else args.extend_edges):
                     beyond = edge_extension(records, name, width, settings.steps)
                     if beyond is None:
                         break

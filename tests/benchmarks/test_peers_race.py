@@ -108,6 +108,11 @@ def test_routing_variants_and_unavailable_options():
         sizes[name] = contenders.state_bytes(optimizer)
     # "hidden" leaves the byte embedding and the head (256 x 32 each) to the grafting optimizer.
     assert sizes["dash-eigh-hidden"] < sizes["dash-eigh"]
+    # What strategy="dash" makes of AdamW: its recipe, the model's routing, every other option DASH's default.
+    strategy = contenders.build(contenders.CONTENDERS["dash-strategy-defaults"], model, 6e-3, 6e-3)
+    preconditioned = {name for name, view in strategy.preconditioning().items() if view is not None}
+    assert preconditioned and not {"token.weight", "head.weight"} & preconditioned
+    assert strategy.block_size == race_defaults_block_size() and strategy.param_groups[0]["lr"] == 6e-3
     # A variant's options override the shared ones; --dash-variant adds one from the command line.
     args = peers.parse_args(["--dash-variant", 'dash-f1={"precondition_frequency": 1, "lrs": [0.01]}'])
     assert args.optimizers == ["dash-f1"] and args.registry["dash-f1"].lrs == (0.01,)
@@ -122,6 +127,12 @@ def test_routing_variants_and_unavailable_options():
     ran = {**record, "lr": 0.01, "seed": 0, "status": "ok"}
     kept = {**record, "width": 64}
     assert analysis.merge([record, kept], [ran]) == [kept, ran]
+
+
+def race_defaults_block_size() -> int:
+    from lightning_dash import DashConfig
+
+    return DashConfig().block_size
 
 
 def curve_record(name: str, lr: float, seed: int, losses: list[float | None], step_ms: float = 10.0) -> dict:

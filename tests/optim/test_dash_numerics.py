@@ -212,24 +212,41 @@ def test_grafting_norm_matches_its_optimizer(grafting):
             torch.testing.assert_close(step[r : r + 2, c : c + 2].norm(), expected, rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("relative_epsilon", [True, False])
-def test_float64_parameters_take_the_float64_reference_steps_to_roundoff(relative_epsilon):
-    """float64 parameters keep the damping in float64 too: a large epsilon (0.3) makes a float32
-    epsilon visible (about 6e-9 of the movement), far above float64's roundoff."""
-    generator = torch.Generator().manual_seed(3)
-    shapes = [(8, 8), (8, 4)]
+def float64_problem(seed: int, shapes: list[tuple[int, ...]], steps: int):
+    """float64 starting weights and ``steps`` rounds of gradients for them."""
+    generator = torch.Generator().manual_seed(seed)
     initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
-    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(6)]
-    options = dict(lr=0.1, block_size=4, precondition_frequency=2, epsilon=0.3, relative_epsilon=relative_epsilon)
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(steps)]
+    return initial, grads
+
+
+def float64_run(initial, grads, **options) -> list[torch.Tensor]:
+    """The parameters after DASH (``options``) stepped on ``grads`` from ``initial``."""
     params = [torch.nn.Parameter(x.clone()) for x in initial]
-    optimizer = DASH(params, inverse_root_method="eigh", **options)
-    reference = ReferenceDash(**options)
-    expected = [x.clone() for x in initial]
+    optimizer = DASH(params, **options)
     for step_grads in grads:
         for param, grad in zip(params, step_grads):
             param.grad = grad.clone()
         optimizer.step()
+    return params
+
+
+def reference_run(initial, grads, **options) -> list[torch.Tensor]:
+    """The float64 reference's parameters after ``grads`` from ``initial``."""
+    reference, expected = ReferenceDash(**options), [x.clone() for x in initial]
+    for step_grads in grads:
         reference.step(expected, step_grads)
+    return expected
+
+
+@pytest.mark.parametrize("relative_epsilon", [True, False])
+def test_float64_parameters_take_the_float64_reference_steps_to_roundoff(relative_epsilon):
+    """float64 parameters keep the damping in float64 too: a large epsilon (0.3) makes a float32
+    epsilon visible (about 6e-9 of the movement), far above float64's roundoff."""
+    initial, grads = float64_problem(3, [(8, 8), (8, 4)], 6)
+    options = dict(lr=0.1, block_size=4, precondition_frequency=2, epsilon=0.3, relative_epsilon=relative_epsilon)
+    params = float64_run(initial, grads, inverse_root_method="eigh", **options)
+    expected = reference_run(initial, grads, **options)
     for param, want, start in zip(params, expected, initial):
         assert (param.detach() - want).norm() <= 1e-13 * (want - start).norm()
 
@@ -238,12 +255,11 @@ def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
     """``DashConfig.paper()`` in float64 against the float64 reference set to the paper's algorithm
     (fourth roots, absolute damping of the raw factors, roots at 1, f, 2f, ..., weight decay on
     matrices only, no Nesterov); DASH's defaults, a different algorithm, land far from it."""
-    generator = torch.Generator().manual_seed(5)
-    shapes = [(8, 8), (8, 4), (8,)]
-    initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
-    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(8)]
+    initial, grads = float64_problem(5, [(8, 8), (8, 4), (8,)], 8)
     common = dict(lr=0.05, weight_decay=0.1, block_size=4, precondition_frequency=3)
-    reference = ReferenceDash(
+    expected = reference_run(
+        initial,
+        grads,
         root_order=4,
         epsilon=2e-10,
         relative_epsilon=False,
@@ -253,18 +269,10 @@ def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
         nesterov=False,
         **common,
     )
-    expected = [x.clone() for x in initial]
-    runs = {}
-    for name, config in (("paper", DashConfig.paper(**common)), ("defaults", DashConfig(**common))):
-        params = [torch.nn.Parameter(x.clone()) for x in initial]
-        optimizer = DASH(params, config=config)
-        for step_grads in grads:
-            for param, grad in zip(params, step_grads):
-                param.grad = grad.clone()
-            optimizer.step()
-        runs[name] = params
-    for step_grads in grads:
-        reference.step(expected, step_grads)
+    runs = {
+        "paper": float64_run(initial, grads, config=DashConfig.paper(**common)),
+        "defaults": float64_run(initial, grads, config=DashConfig(**common)),
+    }
     moved = [want - start for want, start in zip(expected, initial)]
     distances = {
         name: [float((p.detach() - want).norm() / move.norm()) for p, want, move in zip(params, expected, moved)]

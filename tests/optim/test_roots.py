@@ -235,3 +235,25 @@ def test_failure_residual_allows_the_largest_root_error_at_each_order(order):
     # threshold, exactly MAX_ROOT_ERROR (float32's roundoff floor is far below it).
     limit = failure_residual(root_settings(root_order=order))
     assert 1.0 - (1.0 - limit) ** (1.0 / order) == pytest.approx(MAX_ROOT_ERROR)
+
+
+def test_eigh_roots_of_a_spiky_float32_factor_are_float64_accurate():
+    """A factor with one dominant direction and a tail 1e-3 to 1e-6 below it (a recurrent
+    layer's, under an Adam-trained output layer): an eigendecomposition in float32 misplaces the
+    tail's eigenvalues by ~1e-7 of the largest one, a large relative error under a damping of
+    1e-3 of the norm (1.1e-4 of the root, measured). The roots must match the float64 formula on
+    the same float32 input to within the float32 rounding of the normalised block (1.2e-6)."""
+    size = 96
+    generator = torch.Generator().manual_seed(5)
+    basis, _ = torch.linalg.qr(torch.randn(2, size, size, generator=generator, dtype=torch.float64))
+    values = torch.cat([torch.ones(1), torch.logspace(-3, -6, size - 1)]).double().expand(2, size)
+    stats = ((basis * values.unsqueeze(1)) @ basis.transpose(1, 2)).float()
+    eps = torch.full((2,), 1e-3)
+    settings = root_settings(method="eigh", root_order=2, relative_epsilon=True)
+    result = inverse_root(stats, eps, settings).root
+
+    exact = stats.double()
+    damping = 1e-3 * torch.linalg.matrix_norm(exact)
+    eigenvalues, eigenvectors = torch.linalg.eigh(exact)
+    expected = (eigenvectors * (eigenvalues + damping[:, None]).pow(-0.5).unsqueeze(1)) @ eigenvectors.transpose(1, 2)
+    assert relative_error(result, expected) < 1e-5

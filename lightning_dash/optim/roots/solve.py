@@ -7,7 +7,7 @@ statistics) together with a per-block residual where one is available for free. 
 block is divided by its own magnitude before any solver sees it, so the roots do not
 depend on the gradients' scale.
 
-* ``eigh``: eigendecomposition; reference quality; retries failed blocks in float64.
+* ``eigh``: eigendecomposition in float64; reference quality.
 * ``coupled_newton``: the coupled Newton iteration of Guo and Higham for p in {2, 4}.
 * ``newton_db``: the same coupled iteration (for p = 2 the coupled Newton-Schulz, product
   Denman-Beavers, iteration) with per-step scalings planned on the host from the known

@@ -70,39 +70,36 @@ NULL_SPACE_UNITS = 16.0
 
 
 def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
-    """Exact roots from ``eigh``, with the near-null space of a rank-deficient block
-    treated as exactly null (as a pseudo-inverse does).
+    """Exact roots from an eigendecomposition taken in float64, with the near-null space of a
+    rank-deficient block treated as exactly null (as a pseudo-inverse does).
 
-    Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff times the block's
-    largest eigenvalue (about 1e-6 of it in float32) are roundoff, not statistics: a
-    rank-12 factor of a 20 x 20 block has eight such eigenvalues of either sign, and
-    their values differ between two runs whose gradients differ by roundoff. Set to
-    zero before ``eps`` is added, they get the root of ``eps`` alone in every run, as
-    the exact (float64) factor's null space would, so roundoff in the gradients is not
-    amplified by ``eps^(-1/4)``.
+    The decomposition runs in float64 whatever the statistics' dtype: a float32 one carries
+    an error of about 1e-7 of the block's largest eigenvalue in every eigenvalue, which is
+    a large relative error for the small eigenvalues that the damping lets through, and
+    training amplifies it (on a GRU language model whose factors have one dominant
+    direction, a 1e-7 change of the gradients moved the parameters by 2.1e-4 of their
+    movement after 10 steps with float32 decompositions, 2.0e-5 with float64 ones;
+    ``benchmarks/roundoff.py``). On a CPU it costs about 1.7x a float32 decomposition.
 
-    A stack whose decomposition raises is recomputed in float64; one whose float64
-    decomposition raises too comes back as NaN. Blocks with non-finite roots are left
-    as they are: the optimizer rejects and counts them on the device, and retries them
+    Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff of the statistics' dtype
+    times the block's largest eigenvalue (about 1e-6 of it for float32 statistics) are
+    roundoff of the statistics, not statistics: a rank-12 factor of a 20 x 20 block has
+    eight such eigenvalues of either sign, and their values differ between two runs whose
+    gradients differ by roundoff. Set to zero before ``eps`` is added, they get the root of
+    ``eps`` alone in every run, as the exact factor's null space would, so roundoff in the
+    gradients is not amplified by ``eps^(-1/4)``.
+
+    A stack whose decomposition raises comes back as NaN. Blocks with non-finite roots are
+    left as they are: the optimizer rejects and counts them on the device, and retries them
     at the next refresh. Nothing here reads a value back (on CUDA, torch's eigh itself
     checks its error code on the host).
     """
-
-    def roots_from(symmetric: Tensor, block_eps: Tensor) -> Tensor:
-        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
-        noise = NULL_SPACE_UNITS * UNIT_ROUNDOFF[matrices.dtype] * eigenvalues[:, -1:].clamp_min(0.0)
-        eigenvalues = torch.where(eigenvalues > noise, eigenvalues, torch.zeros_like(eigenvalues))
-        scaled = (eigenvalues + block_eps[:, None]).pow(-1.0 / root)
-        return (eigenvectors * scaled.unsqueeze(1)) @ eigenvectors.transpose(1, 2)
-
-    def in_float64(symmetric: Tensor, block_eps: Tensor) -> Tensor:
-        try:
-            return roots_from(symmetric.double(), block_eps.double()).to(matrices.dtype)
-        except RuntimeError:  # torch.linalg.LinAlgError: not even float64 converged
-            return torch.full_like(symmetric, math.nan)
-
-    symmetric = symmetrize(matrices)
+    symmetric = symmetrize(matrices).double()
     try:
-        return roots_from(symmetric, eps)
-    except RuntimeError:
-        return in_float64(symmetric, eps)
+        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    except RuntimeError:  # torch.linalg.LinAlgError: the float64 decomposition did not converge
+        return torch.full_like(matrices, math.nan)
+    noise = NULL_SPACE_UNITS * UNIT_ROUNDOFF[matrices.dtype] * eigenvalues[:, -1:].clamp_min(0.0)
+    eigenvalues = torch.where(eigenvalues > noise, eigenvalues, torch.zeros_like(eigenvalues))
+    scaled = (eigenvalues + eps.double()[:, None]).pow(-1.0 / root)
+    return ((eigenvectors * scaled.unsqueeze(1)) @ eigenvectors.transpose(1, 2)).to(matrices.dtype)

@@ -148,10 +148,10 @@ class DashConfig:
     precondition: PreconditionRule = _option(
         AUTO_ROUTING,
         "which parameters get Kronecker factors (the rest, and every 1-D parameter, follow the grafting optimizer "
-        "alone): auto (hidden when DASH knows the model, else all_matrices); all_matrices; hidden (not the "
-        "embeddings, the output layer or weights tied to them, as in Muon's recipe; needs the model: the "
-        "strategies, Fabric and Composer pass it, in plain PyTorch pass model=); a set of parameter names; or a "
-        "callable (name, param) -> bool",
+        "alone): auto (hidden when DASH knows the model and it has no recurrent layer, else all_matrices); "
+        "all_matrices; hidden (not the embeddings, the output layer or weights tied to them, as in Muon's recipe; "
+        "needs the model: the strategies, Fabric and Composer pass it, in plain PyTorch pass model=); a set of "
+        "parameter names; or a callable (name, param) -> bool",
         check_precondition,
     )
     split_rows: tuple[tuple[str, int], ...] = _option(

@@ -74,6 +74,27 @@ def test_the_default_routing_is_hidden_where_the_model_is_known_and_all_matrices
     assert with_model["embed.weight"] is None and alone["embed.weight"] == MatrixView(11, 6)
 
 
+class ByteLSTM(nn.Module):
+    def __init__(self, recurrent: type[nn.Module] = nn.LSTM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 6)
+        self.rnn = recurrent(6, 8)
+        self.head = nn.Linear(8, 16)
+
+
+@pytest.mark.parametrize("recurrent", [nn.LSTM, nn.GRU, nn.RNN, nn.GRUCell])
+def test_the_default_routing_of_a_recurrent_model_preconditions_every_matrix(recurrent):
+    """A recurrent layer's factors starve when its output layer follows Adam, so ``auto`` keeps the
+    embedding and the output layer preconditioned in a model with one, wherever it sits."""
+    model = nn.Sequential(nn.Linear(3, 6), ByteLSTM(recurrent))
+    views = DASH(model.parameters(), model=model, **OPTIONS).preconditioning()
+    everything = DASH(model.named_parameters(), precondition="all_matrices", **OPTIONS).preconditioning()
+    assert views == everything
+    assert views["1.head.weight"] is not None and views["1.embed.weight"] is not None
+    hidden = DASH(model.parameters(), precondition="hidden", model=model, **OPTIONS).preconditioning()
+    assert hidden["1.head.weight"] is None and hidden["1.embed.weight"] is None
+
+
 def test_names_and_callables_choose_exactly_the_named_matrices():
     model = ToyMoE()
     chosen = DASH(model.named_parameters(), precondition={"qkv.weight", "w_in"}, **OPTIONS).preconditioning()

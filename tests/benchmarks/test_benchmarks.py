@@ -522,3 +522,25 @@ def test_the_tensor_parallel_estimate_counts_what_each_rank_exchange_sends():
     sent = [4 * exchange_for(plan.gradients, plan.updates, rank, plan.holdings).elements_sent() for rank in range(4)]
     assert estimate["dash_bytes_sent_per_step_max"] == max(sent) > 0
     assert estimate["dash_bytes_sent_per_step_mean"] == sum(sent) / 4
+
+
+def test_recurrent_routing_tiny_run_writes_its_layout(tmp_path):
+    """Three steps of AdamW and of DASH at the defaults on the byte-level GRU, in this process."""
+    import recurrent_routing
+
+    threads = torch.get_num_threads()
+    try:
+        summary = recurrent_routing.main(
+            ["--lrs", "0.05", "--seeds", "0", "--steps", "3", "--contenders", "adamw", "dash"]
+            + ["--records", str(tmp_path / "runs.jsonl"), "--out", str(tmp_path / "summary.json")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert set(summary["stamp"]) == {"device", "date", "commit", "torch"}
+    adamw, dash = summary["rows"]
+    assert (adamw["contender"], dash["contender"]) == ("adamw", "dash")
+    assert adamw["seeds"] == dash["seeds"] == [0] and adamw["final_val"] != dash["final_val"]
+    records = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [len(r["train_every_10"]) for r in records] == [1, 1]
+    assert all(r["failed"] == (r["final_val"] > recurrent_routing.FAILED_ABOVE) for r in records)

@@ -41,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _stamp import stamp  # noqa: E402
 from common import RESULTS_DIR, format_columns, write_json  # noqa: E402
 from family_models import ByteGRU, english_bytes  # noqa: E402
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         }
         for network, steps in itertools.product(args.networks, args.steps):
             change = max(trajectory_change(network, options, steps, seed, device=device) for seed in range(args.seeds))
-            records.append({**options, "device": device.type, "network": network, "steps": steps, "change": change})
+            records.append({**options, **stamp(device), "network": network, "steps": steps, "change": change})
     header = ["root_order", "epsilon", "frequency", "precision", "solver", "network", "steps", "change / movement"]
     rows = [
         [str(r["root_order"]), f"{r['epsilon']:.0e}", str(r["precondition_frequency"]), r["matmul_precision"]]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _stamp import commit
 
 #: Optional peers a record names the version of when installed: module -> distribution.
 PEER_DISTRIBUTIONS = (("heavyball", "heavyball"), ("distributed_shampoo", "torch-shampoo"))
@@ -42,7 +43,7 @@ def race_environment() -> dict[str, str | int]:
 
 
 def suite_environment() -> dict[str, Any]:
-    """A suite run's environment (``families.py``): versions, the machine, its load and the date."""
+    """A suite run's environment (``families.py``): versions, the machine, its load, the date and the commit."""
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -50,4 +51,5 @@ def suite_environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": commit(),
     }

@@ -41,6 +41,13 @@ def test_the_next_one():
 """
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default disposition in the child: a suite started in the background by a shell
+    without job control (``make test &``, CI runners) inherits SIGINT ignored, and Python keeps it
+    ignored, so no Ctrl-C could reach the child at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_during_a_fit_stops_the_run_with_its_summary(tmp_path, signum):
@@ -48,7 +55,13 @@ def test_a_signal_during_a_fit_stops_the_run_with_its_summary(tmp_path, signum):
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "helpers.interrupts", "-p", "no:cacheprovider"]
     env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
     run = subprocess.Popen(
-        [*command, "test_inner.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*command, "test_inner.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_as_from_a_terminal,
     )
     assert run.stdout is not None
     seen = ""

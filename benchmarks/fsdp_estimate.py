@@ -142,8 +142,9 @@ def meta_parameters(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.
 
 
 def block_state_bytes(rows: int, cols: int, element_bytes: int = FLOAT32) -> int:
-    """Factors and roots of both sides, momentum and grafting second moment of one block."""
-    return element_bytes * (2 * (rows * rows + cols * cols) + 2 * rows * cols)
+    """Factors and roots of both sides (each side's pair packed as one matrix and a row), momentum
+    and grafting second moment of one block."""
+    return element_bytes * (rows * (rows + 1) + cols * (cols + 1) + 2 * rows * cols)
 
 
 def local_rows(rows: int, world_size: int, rank: int) -> int:

@@ -181,17 +181,18 @@ def tile_sides(length: int, block_size: int) -> list[int]:
 def dash_closed_form(shapes: Shapes, preconditioned: frozenset[str], block_size: int) -> int:
     """DASH's state bytes from the shapes alone (float32 parameters, matrices and vectors only).
 
-    A preconditioned tile of ``r x c`` holds two factors and two roots (``r^2 + c^2`` each
-    pair), its momentum and the grafting second moment (``r c`` each), all float32, and the
-    per-block vectors (:data:`DASH_BLOCK_VECTOR_BYTES`); every other parameter a float32
-    momentum and second moment per element; every parameter a float32 step count.
+    A preconditioned tile of ``r x c`` holds two factors and two roots, each side's factor and
+    root packed as one square and a row (``r (r + 1) + c (c + 1)`` in all), its momentum and the
+    grafting second moment (``r c`` each), all float32, and the per-block vectors
+    (:data:`DASH_BLOCK_VECTOR_BYTES`); every other parameter a float32 momentum and second moment
+    per element; every parameter a float32 step count.
     """
     total = 0
     for name, shape in shapes:
         if name in preconditioned:
             for rows in tile_sides(shape[0], block_size):
                 for cols in tile_sides(math.prod(shape[1:]), block_size):
-                    square = 2 * (rows * rows + cols * cols)
+                    square = rows * (rows + 1) + cols * (cols + 1)
                     total += FLOAT32_BYTES * (square + 2 * rows * cols) + DASH_BLOCK_VECTOR_BYTES
         else:
             total += 2 * FLOAT32_BYTES * math.prod(shape)

@@ -45,10 +45,11 @@ RECORD_KEYS = {
 
 
 def tile_bytes(rows: int, cols: int) -> int:
-    """A DASH tile: left factor and root (rows^2 each), right factor and root (cols^2 each),
-    momentum and grafting second moment (rows * cols each), all float32; then root_valid
-    (bool), root_failures (int32) and factor_scale (float64)."""
-    return FLOAT32 * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols) + 1 + 4 + 8
+    """A DASH tile: left factor and root (two triangles of rows^2 with their diagonals: rows *
+    (rows + 1)), right factor and root (cols * (cols + 1)), momentum and grafting second moment
+    (rows * cols each), all float32; then root_valid (bool), root_failures (int32) and factor_scale
+    (float64)."""
+    return FLOAT32 * (rows * (rows + 1) + cols * (cols + 1) + 2 * rows * cols) + 1 + 4 + 8
 
 
 def adam_bytes(numel: int) -> int:

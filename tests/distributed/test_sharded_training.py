@@ -53,9 +53,9 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def block_state_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
-    """One block: two factors and two roots, momentum and grafting second moment, and its
-    scalars (validity flag, failure count, float64 factor scale)."""
-    return dtype_bytes * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols) + 1 + 4 + 8
+    """One block: each side's factor and root packed as one matrix and a row, momentum and grafting
+    second moment, and its scalars (validity flag, failure count, float64 factor scale)."""
+    return dtype_bytes * (rows * (rows + 1) + cols * (cols + 1) + 2 * rows * cols) + 1 + 4 + 8
 
 
 def check_extreme_scales(rank: int, world_size: int) -> None:

@@ -64,7 +64,7 @@ class Stack:
         state's device (kept: the same parameters tend to move together step after step)."""
         if param_indices not in self._subsets:
             plan, positions = self.plan.subset(set(param_indices))
-            self._subsets[param_indices] = (plan, upload(positions, torch.int64, self.state.left_factor.device))
+            self._subsets[param_indices] = (plan, upload(positions, torch.int64, self.state.left_pair.device))
         return self._subsets[param_indices]
 
 

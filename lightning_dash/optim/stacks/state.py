@@ -12,9 +12,10 @@ grafting optimizer's second moment, which never overflows where its square would
 ``root_valid`` and ``root_failures`` (one entry per tile), and per tile ``(i, j)``
 ``left_factor_i_j``, ``right_factor_i_j`` (stored divided by the tile's
 ``factor_scale_i_j``, a float64 scalar, so that statistics of any finite gradient stay
-finite), ``left_root_i_j`` and ``right_root_i_j``. State dicts written before
-``grafting_rms`` and ``factor_scale`` existed (``grafting_second_moment``, unscaled
-factors) load too.
+finite), ``left_root_i_j`` and ``right_root_i_j``, each a full square matrix. State dicts
+written before ``grafting_rms`` and ``factor_scale`` existed (``grafting_second_moment``,
+unscaled factors) load too. In the stacks a side's factor and root share one tensor
+(:mod:`.packed`), half the memory of the two full matrices.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from lightning_dash.optim.stacks import packed
 from lightning_dash.optim.stacks.blocks import Region, StackPlan
 
 FACTOR_KEYS = ("left_factor", "right_factor", "left_root", "right_root")
@@ -36,14 +38,27 @@ ROOT_VALID = "root_valid"
 ROOT_FAILURES = "root_failures"
 
 
+def block_matrices(left_pair: Tensor, right_pair: Tensor, block: int) -> dict[str, Tensor]:
+    """One block's factors and roots as full matrices (new tensors), under :data:`FACTOR_KEYS`."""
+    left, right = left_pair[block : block + 1], right_pair[block : block + 1]
+    return {
+        "left_factor": packed.factors(left)[0],
+        "right_factor": packed.factors(right)[0],
+        "left_root": packed.roots(left)[0],
+        "right_root": packed.roots(right)[0],
+    }
+
+
 @dataclass
 class StackState:
-    """Statistics of the ``n`` blocks of one stack of shape ``(n, rows, cols)``."""
+    """Statistics of the ``n`` blocks of one stack of shape ``(n, rows, cols)``.
 
-    left_factor: Tensor
-    right_factor: Tensor
-    left_root: Tensor
-    right_root: Tensor
+    ``left_pair`` ``(n, rows + 1, rows)`` holds each block's left factor and left root,
+    ``right_pair`` ``(n, cols + 1, cols)`` the right ones (:mod:`.packed`).
+    """
+
+    left_pair: Tensor
+    right_pair: Tensor
     root_valid: Tensor
     root_failures: Tensor
     factor_scale: Tensor
@@ -56,12 +71,9 @@ class StackState:
     ) -> StackState:
         """Empty statistics in ``dtype`` (float64 for float64 parameters, else float32)."""
         rows, cols = shape
-        square = lambda size: torch.zeros(num_blocks, size, size, device=device, dtype=dtype)  # noqa: E731
         return cls(
-            left_factor=square(rows),
-            right_factor=square(cols),
-            left_root=square(rows),
-            right_root=square(cols),
+            left_pair=packed.empty_pairs(num_blocks, rows, device, dtype),
+            right_pair=packed.empty_pairs(num_blocks, cols, device, dtype),
             root_valid=torch.zeros(num_blocks, dtype=torch.bool, device=device),
             root_failures=torch.zeros(num_blocks, dtype=torch.int32, device=device),
             factor_scale=torch.zeros(num_blocks, dtype=torch.float64, device=device),
@@ -71,9 +83,9 @@ class StackState:
         """Allocate an optional elementwise buffer (momentum, second moment) on first use."""
         tensor = getattr(self, name)
         if tensor is None:
-            num_blocks, rows, _ = self.left_factor.shape
-            cols = self.right_factor.shape[1]
-            tensor = torch.zeros(num_blocks, rows, cols, device=self.left_factor.device, dtype=self.left_factor.dtype)
+            pairs = self.left_pair
+            shape = (pairs.shape[0], packed.pair_side(pairs), packed.pair_side(self.right_pair))
+            tensor = torch.zeros(shape, device=pairs.device, dtype=pairs.dtype)
             setattr(self, name, tensor)
         return tensor
 
@@ -84,6 +96,13 @@ class StackState:
     def tensors(self) -> list[Tensor]:
         """Every tensor the record holds (for memory accounting)."""
         return [value for f in fields(self) if (value := getattr(self, f.name)) is not None]
+
+    def set_matrices(self, block: int, matrices: dict[str, Tensor]) -> None:
+        """Make one block's factors and roots the full matrices ``matrices`` (under :data:`FACTOR_KEYS`)."""
+        for side in ("left", "right"):
+            pairs = getattr(self, f"{side}_pair")
+            full = [matrices[f"{side}_{kind}"].to(pairs.device, pairs.dtype)[None] for kind in ("factor", "root")]
+            pairs[block : block + 1] = packed.pack(*full)
 
     def copy(self) -> StackState:
         """A new record holding the same tensors (fields can then be replaced freely)."""
@@ -128,8 +147,8 @@ def export_stack(
             for col in range(region.tile_cols):
                 block = region.stack_offset + row * region.tile_cols + col
                 i, j = _tile_index(region, block_size, row, col)
-                for key in FACTOR_KEYS:
-                    entry[f"{key}_{i}_{j}"] = getattr(state, key)[block].clone()
+                for key, matrix in block_matrices(state.left_pair, state.right_pair, block).items():
+                    entry[f"{key}_{i}_{j}"] = matrix
                 entry[f"{FACTOR_SCALE}_{i}_{j}"] = state.factor_scale[block].clone()
                 valid[i, j] = root_valid[block]
                 failures[i, j] = root_failures[block]
@@ -145,8 +164,9 @@ def export_tiles(plan: StackPlan, state: StackState, block_size: int, out: dict[
     tile under its own key (``momentum_i_j``, ``root_valid_i_j``, ... as well as the
     factors): the form in which each rank writes only the blocks it owns."""
     per_block = {FACTOR_SCALE: state.factor_scale, ROOT_VALID: state.root_valid, ROOT_FAILURES: state.root_failures}
-    per_block.update({key: getattr(state, key) for key in (*FACTOR_KEYS, MOMENTUM, GRAFTING_RMS)})
+    per_block.update({key: getattr(state, key) for key in ("left_pair", "right_pair", MOMENTUM, GRAFTING_RMS)})
     held = {key: value.cpu() for key, value in per_block.items() if value is not None}
+    left_pair, right_pair = held.pop("left_pair"), held.pop("right_pair")
     for region in plan.regions:
         entry = out.setdefault(region.param_index, {})
         for row in range(region.tile_rows):
@@ -155,6 +175,8 @@ def export_tiles(plan: StackPlan, state: StackState, block_size: int, out: dict[
                 tile = _tile_index(region, block_size, row, col)
                 for key, value in held.items():
                     entry[tile_key(key, tile)] = value[block].clone()
+                for key, matrix in block_matrices(left_pair, right_pair, block).items():
+                    entry[tile_key(key, tile)] = matrix
 
 
 def import_stack(
@@ -193,15 +215,16 @@ def import_stack(
             for col in range(region.tile_cols):
                 block = region.stack_offset + row * region.tile_cols + col
                 tile = _tile_index(region, block_size, row, col)
-                for key in FACTOR_KEYS:
-                    saved_block = entry.get(tile_key(key, tile))
-                    target = getattr(state, key)[block]
-                    if saved_block is None or saved_block.shape != target.shape:
+                sides = {"left": packed.pair_side(state.left_pair), "right": packed.pair_side(state.right_pair)}
+                matrices = {key: entry.get(tile_key(key, tile)) for key in FACTOR_KEYS}
+                for key, saved_block in matrices.items():
+                    side = sides[key.split("_")[0]]
+                    if saved_block is None or saved_block.shape != (side, side):
                         raise ValueError(
                             f"saved state of {names[region.param_index]} does not match block_size="
                             f"{block_size}: missing or mis-shaped {tile_key(key, tile)}"
                         )
-                    target.copy_(saved_block)
+                state.set_matrices(block, matrices)
                 for name in (MOMENTUM, GRAFTING_RMS):
                     if tile_key(name, tile) in entry:
                         state.ensure(name)[block].copy_(entry[tile_key(name, tile)])

@@ -29,8 +29,8 @@ from lightning_dash.optim.step.update import (
     decay_weights,
     local_peaks,
     stack_direction,
-    vector_work,
 )
+from lightning_dash.optim.step.vectors import vector_work
 
 
 def step_on_device(

@@ -42,6 +42,9 @@ def accumulate_factors(
     ``left`` and ``right`` are the stored factors (``L / s`` and ``R / s``), ``scale``
     the ``(n,)`` float64 ``s``, ``grad`` the blocks' gradients in the factors' dtype;
     ``matmul_precision``: how the products ``G G^T`` and ``G^T G`` run (:mod:`..precision`).
+    Entry by entry, the new factors' upper triangles depend only on the old ones' upper
+    triangles, so ``left`` and ``right`` may hold anything below their diagonals (packed
+    statistics pass their rows as they are, :mod:`...stacks.packed`).
     """
     dtype = left.dtype
     peak = torch.linalg.vector_norm(grad, ord=math.inf, dim=(1, 2))

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim.roots import RootResult, RootSettings, failure_residual, inverse_root
+from lightning_dash.optim.stacks import packed
 from lightning_dash.optim.stacks.blocks import StackPlan
 from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.stacks.state import StackState
@@ -72,10 +73,11 @@ def root_inputs(work: StackWork, bias_correction: bool) -> tuple[Tensor, Tensor,
     """Factors, scales (bias-corrected) and epsilon of the blocks whose roots are due."""
     counts = [work.plan.regions[k].num_blocks for k in work.due_regions]
     groups = [work.groups[k] for k in work.due_regions]
-    device = work.state.left_factor.device
-    left, right, scale = work.state.left_factor, work.state.right_factor, work.state.factor_scale
+    device = work.state.left_pair.device
+    left, right, scale = work.state.left_pair, work.state.right_pair, work.state.factor_scale
     if work.due is not None:
         left, right, scale = left[work.due], right[work.due], scale[work.due]
+    left, right = packed.factors(left), packed.factors(right)  # new tensors, whatever happens to the state
     if bias_correction:
         correction = per_block(
             [
@@ -99,7 +101,7 @@ def root_job(works: list[StackWork], bias_correction: bool, whole_stacks: bool) 
 
     Results go to each work's own candidate state (``whole_stacks=False``: this step)
     or to its stack's full state (``True``: installed at a later step, after the
-    work's blocks were committed; the factors are then copied).
+    work's blocks were committed).
     """
     targets: list[tuple[StackState, Tensor | None]] = []
     sizes: dict[tuple[int, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[tuple[int, str]]]] = {}
@@ -114,7 +116,7 @@ def root_job(works: list[StackWork], bias_correction: bool, whole_stacks: bool) 
             key = (factor.shape[1], factor.dtype)
             factors, scales, epsilons, pieces = sizes.setdefault(key, ([], [], [], []))
             smallest[key] = min([smallest.get(key, math.inf)] + [work.groups[k]["epsilon"] for k in work.due_regions])
-            factors.append(factor.clone() if whole_stacks else factor)
+            factors.append(factor)
             scales.append(scale)
             epsilons.append(eps)
             pieces.append((target, side))
@@ -136,19 +138,18 @@ def accept_roots(
     state: StackState, due: Tensor | None, left: Tensor, left_ok: Tensor, right: Tensor, right_ok: Tensor
 ) -> Tensor:
     """Keep new roots where both are acceptable, otherwise the previous ones; returns
-    ``[failed blocks, longest streak]``. The state's root tensors are replaced, never
-    written in place (they may be shared with the committed state until the step commits)."""
+    ``[failed blocks, longest streak]``. The state's pairs are replaced, never written in
+    place (they may be shared with the committed state until the step commits)."""
     ok = left_ok & right_ok
-    select = ok[:, None, None]
     if due is None:
-        state.left_root = torch.where(select, left, state.left_root)
-        state.right_root = torch.where(select, right, state.right_root)
+        state.left_pair = packed.with_roots(state.left_pair, left, ok)
+        state.right_pair = packed.with_roots(state.right_pair, right, ok)
         state.root_valid = state.root_valid | ok
         state.root_failures = torch.where(ok, 0, state.root_failures + 1).to(torch.int32)
         streak = state.root_failures
     else:
-        state.left_root = state.left_root.index_copy(0, due, torch.where(select, left, state.left_root[due]))
-        state.right_root = state.right_root.index_copy(0, due, torch.where(select, right, state.right_root[due]))
+        state.left_pair = state.left_pair.index_copy(0, due, packed.with_roots(state.left_pair[due], left, ok))
+        state.right_pair = state.right_pair.index_copy(0, due, packed.with_roots(state.right_pair[due], right, ok))
         state.root_valid = state.root_valid.index_copy(0, due, state.root_valid[due] | ok)
         streak = torch.where(ok, 0, state.root_failures[due] + 1).to(torch.int32)
         state.root_failures = state.root_failures.index_copy(0, due, streak)

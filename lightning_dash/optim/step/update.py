@@ -1,8 +1,9 @@
-"""The update maths of one optimizer step, per stack of blocks and per vector group.
+"""The update maths of one optimizer step per stack of blocks, and the rules and helpers every
+update shares (the one-dimensional parameters' maths is :mod:`.vectors`).
 
 Each function computes *candidates*: new statistics and the update, in fresh
-tensors, without touching the committed state. :meth:`StackWork.commit` and
-:meth:`VectorWork.commit` make them the state once the whole step has been checked.
+tensors, without touching the committed state. :meth:`StackWork.commit` makes them
+the state once the whole step has been checked.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from torch import Tensor
 
 from lightning_dash.optim import precision
 from lightning_dash.optim.precision import resolve as resolve_matmul_precision
+from lightning_dash.optim.stacks import packed
 from lightning_dash.optim.stacks.blocks import StackPlan
-from lightning_dash.optim.stacks.layout import Layout, Stack, VectorGroup
+from lightning_dash.optim.stacks.layout import Layout, Stack
 from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
 from lightning_dash.optim.stacks.uploads import upload, upload_runs
 from lightning_dash.optim.step.compiled import kernel
@@ -168,85 +170,6 @@ def commit_masked(current: Tensor, candidate: Tensor, index: Tensor | None, skip
 
 
 @dataclass
-class VectorWork:
-    """The candidate step of the moving one-dimensional parameters of one group."""
-
-    vector: VectorGroup
-    params: list[Tensor]
-    numels: list[int]
-    index: Tensor | None
-    momentum: Tensor | None
-    rms: Tensor
-    update: Tensor
-
-    def apply(self, skip: Tensor) -> None:
-        """Add the update to the parameters (nothing when the 0-d bool ``skip`` is set)."""
-        update = torch.where(skip, 0.0, self.update)
-        torch._foreach_add_(self.params, [u.view(p.shape) for u, p in zip(update.split(self.numels), self.params)])
-
-    def commit(self, skip: Tensor) -> None:
-        """Make the candidate momentum and second moment the group's state, in place,
-        unless ``skip`` (a 0-d bool on the device) is set."""
-        if self.momentum is not None:
-            commit_masked(self.vector.momentum, self.momentum, self.index, skip)
-        commit_masked(self.vector.rms, self.rms, self.index, skip)
-
-
-def vector_work(
-    layout: Layout, vector: VectorGroup, group: dict[str, Any], active: set[int], rules: UpdateRules
-) -> VectorWork | None:
-    """Candidate grafting-optimizer step of the one-dimensional parameters of one group."""
-    members = [k for k, index in enumerate(vector.param_indices) if index in active]
-    if not members:
-        return None
-    whole = [layout.params[vector.param_indices[k]] for k in members]
-    params = [layout.local(p) for p in whole]
-    numels = [vector.numels[k] for k in members]
-    device, dtype = vector.momentum.device, vector.momentum.dtype
-    grad = torch.empty(sum(numels), dtype=dtype, device=device)
-    torch.cat([layout.local(p.grad).reshape(-1) for p in whole], out=grad)
-    if len(members) == len(vector.param_indices):
-        index, momentum, rms = None, vector.momentum, vector.rms
-    else:
-        index = upload_runs([(vector.offsets[k], vector.numels[k]) for k in members], device)
-        momentum, rms = vector.momentum[index], vector.rms[index]
-    steps = [layout.steps[vector.param_indices[k]] for k in members]
-    beta1, _ = group["betas"]
-    graft_beta2 = group["grafting_beta2"]
-    first = momentum_terms(rules, steps, [beta1] * len(steps))
-    second = [1.0 - graft_beta2**t if rules.bias_correction else 1.0 for t in steps]
-    columns = [[beta1] * len(steps), [graft_beta2] * len(steps), first, second, [-group["lr"]] * len(steps)]
-    scalars = [
-        v.view(-1) if isinstance(v, Tensor) else v for v in block_table(columns, numels, device, dtype, rules.compiled)
-    ]
-    momentum, rms, update = kernel(advance_vector, rules.compiled)(
-        grad, momentum if beta1 > 0 else None, rms, *scalars, group["grafting_epsilon"], rules
-    )
-    return VectorWork(vector, params, numels, index, momentum, rms, update)
-
-
-def advance_vector(
-    grad: Tensor,
-    momentum: Tensor | None,
-    rms: Tensor,
-    beta1: PerBlock,
-    graft_beta2: PerBlock,
-    first_term: PerBlock,
-    second_term: PerBlock,
-    neg_lr: PerBlock,
-    epsilon: float,
-    rules: UpdateRules,
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """The grafting optimizer's step on a flat buffer (pure): new momentum, second-moment
-    root and update."""
-    if uses_second_moment(rules.fallback):
-        rms = next_rms(rms, grad, rules.fallback, graft_beta2)
-    momentum, followed = next_momentum(rules, momentum, grad, beta1)
-    direction = grafting_direction(followed / first_term, rms, rules.fallback, epsilon, second_term)
-    return momentum, rms, direction * neg_lr
-
-
-@dataclass
 class StackWork:
     """The blocks of one stack that move in the current step, with their candidate state."""
 
@@ -290,7 +213,7 @@ def begin_stack(
     else:
         plan, index = stack.subset(tuple(r.param_index for r in regions))
         state = stack.state.select(index)
-    device = state.left_factor.device
+    device = state.left_pair.device
     grad = grads if index is None else grads.index_select(0, index)
     counts = [r.num_blocks for r in plan.regions]
     region_groups = [groups[layout.group_of[r.param_index]] for r in plan.regions]
@@ -302,12 +225,12 @@ def begin_stack(
         [g["grafting_beta2"] for g in region_groups],
         momentum_terms(rules, steps, betas1),
     ]
-    scalars = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
+    scalars = block_table(columns, counts, device, state.left_pair.dtype, rules.compiled)
     momentum = state.ensure(MOMENTUM) if any(b > 0 for b in betas1) else None
     rms = state.ensure(GRAFTING_RMS) if uses_second_moment(rules.grafting) else state.grafting_rms
-    (state.left_factor, state.right_factor, state.factor_scale, state.momentum, followed, state.grafting_rms) = kernel(
+    (state.left_pair, state.right_pair, state.factor_scale, state.momentum, followed, state.grafting_rms) = kernel(
         advance_blocks, rules.compiled
-    )(grad, state.left_factor, state.right_factor, state.factor_scale, momentum, rms, *scalars, rules)
+    )(grad, state.left_pair, state.right_pair, state.factor_scale, momentum, rms, *scalars, rules)
 
     due_regions = [k for k, (t, g) in enumerate(zip(steps, region_groups)) if roots_due(t, g, rules.root_schedule)]
     due = None
@@ -318,8 +241,8 @@ def begin_stack(
 
 def advance_blocks(
     grad: Tensor,
-    left: Tensor,
-    right: Tensor,
+    left_pair: Tensor,
+    right_pair: Tensor,
     scale: Tensor,
     momentum: Tensor | None,
     rms: Tensor | None,
@@ -329,10 +252,13 @@ def advance_blocks(
     first_term: PerBlock,
     rules: UpdateRules,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    """One step of a stack's statistics (pure): new factors, scale, momentum, the
-    bias-corrected momentum the step follows, and the grafting second-moment root."""
+    """One step of a stack's statistics (pure): new factor pairs (:mod:`...stacks.packed`), scale,
+    momentum, the bias-corrected momentum the step follows, and the grafting second-moment root."""
     decay = beta2.reshape(-1) if isinstance(beta2, Tensor) else beta2
-    left, right, scale = accumulate_factors(left, right, scale, grad, decay, rules.matmul_precision)
+    left, right, scale = accumulate_factors(
+        packed.factor_rows(left_pair), packed.factor_rows(right_pair), scale, grad, decay, rules.matmul_precision
+    )
+    left, right = packed.with_factors(left_pair, left), packed.with_factors(right_pair, right)
     if uses_second_moment(rules.grafting):
         rms = next_rms(rms, grad, rules.grafting, graft_beta2)
     momentum, followed = next_momentum(rules, momentum, grad, beta1)
@@ -342,7 +268,7 @@ def advance_blocks(
 def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
     """The update (``-lr`` times the grafted direction) of the moving blocks of one stack."""
     state, plan, groups = work.state, work.plan, work.groups
-    device = state.left_factor.device
+    device = state.left_pair.device
     counts = [r.num_blocks for r in plan.regions]
     columns = [
         [1.0 - g["grafting_beta2"] ** t if rules.bias_correction else 1.0 for g, t in zip(groups, work.steps)],
@@ -350,7 +276,7 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
         [g["shampoo_blend"] for g in groups],
         [-g["lr"] for g in groups],
     ]
-    second_term, epsilon, blend, neg_lr = block_table(columns, counts, device, state.left_factor.dtype, rules.compiled)
+    second_term, epsilon, blend, neg_lr = block_table(columns, counts, device, state.left_pair.dtype, rules.compiled)
     started = [t >= g["start_preconditioning_step"] for t, g in zip(work.steps, groups)]
     use = state.root_valid
     if any(started) and not all(started):
@@ -358,8 +284,8 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
     return kernel(direct_blocks, rules.compiled)(
         work.momentum,
         state.grafting_rms,
-        state.left_root,
-        state.right_root,
+        state.left_pair,
+        state.right_pair,
         use,
         second_term,
         epsilon,
@@ -373,8 +299,8 @@ def stack_direction(work: StackWork, rules: UpdateRules) -> Tensor:
 def direct_blocks(
     followed: Tensor,
     rms: Tensor | None,
-    left_root: Tensor,
-    right_root: Tensor,
+    left_pair: Tensor,
+    right_pair: Tensor,
     use: Tensor,
     second_term: PerBlock,
     epsilon: PerBlock,
@@ -389,6 +315,7 @@ def direct_blocks(
     fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
     if not started:
         return fallback * neg_lr
+    left_root, right_root = packed.roots(left_pair), packed.roots(right_pair)
     shampoo = precision.bmm(
         precision.bmm(left_root, followed, rules.matmul_precision), right_root, rules.matmul_precision
     )

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from _state_bytes import FLOAT32, block_state_bytes
 
 from lightning_dash.distributed.assignment import block_cost, imbalance, lpt_assign
 from lightning_dash.distributed.holdings import Holdings, ParameterHoldings, Span, row_range
@@ -27,8 +28,6 @@ from lightning_dash.distributed.piece_exchange import Piece, holder_preferences,
 from lightning_dash.optim.stacks import StackPlan
 from lightning_dash.optim.stacks.blocks import MatrixView
 from lightning_dash.optim.stacks.layout import matrix_regions
-
-FLOAT32 = 4
 
 #: Parameter-name endings of the row-parallel (``"cols"``) projections; other matrices are
 #: column-parallel (``"rows"``), vectors are replicated.
@@ -163,11 +162,7 @@ def tensor_parallel_plan(
     state, gathered, adamw = [], [], []
     for rank, plans in enumerate(rank_plans):
         data, tensor = divmod(rank, tp)
-        blocks = sum(
-            FLOAT32 * (2 * (r * r + c * c) + 2 * r * c) * plan.num_blocks
-            for plan in plans
-            for r, c in [plan.block_shape]
-        )
+        blocks = sum(block_state_bytes(*plan.block_shape) * plan.num_blocks for plan in plans)
         vectors = sum(
             2 * FLOAT32 * local_elements(shape, style, data, tensor, dp, tp)
             for shape, style in zip(shapes, styles)
@@ -182,9 +177,7 @@ def tensor_parallel_plan(
     capacity = None if micro_group_mib is None else capacity_bytes(micro_group_mib)
     groups = assign_micro_groups(plan.costs, plan.owners, footprints, capacity)
     shard = sum(fsdp_shard(shape, style, dp, tp) for shape, style in zip(shapes, styles))
-    largest = max(
-        FLOAT32 * (2 * (r * r + c * c) + 2 * r * c) for plans in rank_plans for r, c in (p.block_shape for p in plans)
-    )
+    largest = max(block_state_bytes(*plan.block_shape) for plans in rank_plans for plan in plans)
     return {
         "data_parallel": dp,
         "tensor_parallel": tp,

@@ -70,8 +70,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _records import Quantities, column_cells, record_type
+from _state_bytes import BLOCK_SCALAR_BYTES
 from common import RESULTS_DIR, format_columns, write_json
-from fsdp_estimate import BLOCK_SCALAR_BYTES, fsdp_bytes_per_step, meta_parameters, sharded_plan
+from fsdp_estimate import fsdp_bytes_per_step, meta_parameters, sharded_plan
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ShardedDistributor

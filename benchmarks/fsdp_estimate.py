@@ -10,7 +10,8 @@ plan :class:`~lightning_dash.distributed.ShardedDistributor` builds at its first
 counts from it, per rank:
 
 * DASH state bytes (float32 statistics): for each owned ``rows x cols`` block, left and
-  right factor and their roots, ``2 (rows^2 + cols^2)``, plus momentum and the grafting
+  right factor and their roots, each side's pair packed as one square and a row,
+  ``rows (rows + 1) + cols (cols + 1)``, plus momentum and the grafting
   second moment, ``2 rows cols``; plus momentum and second moment of the rank's row shard
   of every 1-D parameter. (``DASH.state_bytes()`` also counts 13 bytes of per-block
   scalars: root validity, failure count and factor scale.)
@@ -53,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _records import column_cells, record_type
+from _state_bytes import FLOAT32, block_state_bytes
 from _tensor_parallel_plan import tensor_parallel_plan
 from common import RESULTS_DIR, format_columns, write_json
 
@@ -71,10 +73,6 @@ from lightning_dash.optim.stacks.layout import matrix_regions
 
 RESULTS_PATH = RESULTS_DIR / "fsdp_qwen3_8b_estimate.json"
 TENSOR_PARALLEL_PATH = RESULTS_DIR / "fsdp_tensor_parallel_estimate.json"
-FLOAT32 = 4
-#: ``DASH.state_bytes()`` per block beyond the float32 statistics: root_valid (bool),
-#: root_failures (int32), factor_scale (float64).
-BLOCK_SCALAR_BYTES = 1 + 4 + 8
 FSDP_ASSUMPTION = (
     "bf16 parameters all-gathered in forward and again in backward, float32 gradients reduce-scattered; "
     "ring collectives: each rank sends (N - 1) * S elements per collective, S = sum_p ceil(rows_p / N) * "
@@ -139,12 +137,6 @@ def qwen3_parameters(config: Qwen3Config = QWEN3_8B) -> list[tuple[str, tuple[in
 def meta_parameters(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """Stand-ins with the shapes and dtype of the parameters and no storage."""
     return [torch.empty(tuple(shape), dtype=dtype, device="meta") for shape in shapes]
-
-
-def block_state_bytes(rows: int, cols: int, element_bytes: int = FLOAT32) -> int:
-    """Factors and roots of both sides (each side's pair packed as one matrix and a row), momentum
-    and grafting second moment of one block."""
-    return element_bytes * (rows * (rows + 1) + cols * (cols + 1) + 2 * rows * cols)
 
 
 def local_rows(rows: int, world_size: int, rank: int) -> int:
@@ -365,7 +357,8 @@ def tensor_parallel_main(args: argparse.Namespace) -> dict:
     report = {
         "styles": "column-parallel q/k/v/gate/up, embedding and head (rows over TP, then DP); row-parallel o/down "
         "(rows over DP, columns over TP); norms replicated over TP, rows over DP",
-        "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
+        "dash_state": "per block 4 * (rows (rows + 1) + cols (cols + 1) + 2 rows cols) bytes, plus 8 bytes per element "
+        "of 1-D shards",
         "gathered": "gradient elements of the blocks a rank owns, float32: what its exchange receives at once",
         "peak_gathered": "the most bytes of whole blocks (float32 gradients and updates) a rank holds at once when "
         "its blocks travel in micro-groups of micro_group_mib, the next micro-group's gradients included",
@@ -391,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": "Qwen3-8B",
         "config": asdict(QWEN3_8B),
         "dtypes": "bf16 parameters, float32 gradients and optimizer state",
-        "dash_state": "per block 4 * (2 (rows^2 + cols^2) + 2 rows cols) bytes, plus 8 bytes per element of 1-D shards",
+        "dash_state": "per block 4 * (rows (rows + 1) + cols (cols + 1) + 2 rows cols) bytes, plus 8 bytes per element "
+        "of 1-D shards",
         "dash_traffic": "gradient rows to block owners and update rows back, float32 (PieceExchange.elements_sent * 4)",
         "adamw_state": "2 float32 buffers per element of the rank's row shard",
         "fsdp_assumption": FSDP_ASSUMPTION,

@@ -98,8 +98,8 @@ from _roofline_counts import (
     vector_bytes_per_element,
     vector_elements,
 )
+from _state_bytes import block_state_bytes
 from common import RESULTS_DIR, format_columns, write_json
-from fsdp_estimate import block_state_bytes
 
 from lightning_dash.optim.config import DashConfig
 

@@ -76,6 +76,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _meta_shampoo
+from _state_bytes import BLOCK_SCALAR_BYTES, block_state_bytes
 from _step_time_cases import (
     MODELS,
     PEERS,
@@ -99,8 +100,6 @@ EMBEDDINGS = frozenset({"wte", "wpe"})
 ALL_MATRICES = "all_matrices"
 HIDDEN = "hidden"
 FLOAT32_BYTES = 4
-#: DASH's per-block vectors: ``root_valid`` (bool), ``root_failures`` (int32), ``factor_scale`` (float64).
-DASH_BLOCK_VECTOR_BYTES = 1 + 4 + 8
 
 
 @dataclass
@@ -184,7 +183,7 @@ def dash_closed_form(shapes: Shapes, preconditioned: frozenset[str], block_size:
     A preconditioned tile of ``r x c`` holds two factors and two roots, each side's factor and
     root packed as one square and a row (``r (r + 1) + c (c + 1)`` in all), its momentum and the
     grafting second moment (``r c`` each), all float32, and the per-block vectors
-    (:data:`DASH_BLOCK_VECTOR_BYTES`); every other parameter a float32 momentum and second moment
+    (``_state_bytes.BLOCK_SCALAR_BYTES``); every other parameter a float32 momentum and second moment
     per element; every parameter a float32 step count.
     """
     total = 0
@@ -192,8 +191,7 @@ def dash_closed_form(shapes: Shapes, preconditioned: frozenset[str], block_size:
         if name in preconditioned:
             for rows in tile_sides(shape[0], block_size):
                 for cols in tile_sides(math.prod(shape[1:]), block_size):
-                    square = rows * (rows + 1) + cols * (cols + 1)
-                    total += FLOAT32_BYTES * (square + 2 * rows * cols) + DASH_BLOCK_VECTOR_BYTES
+                    total += block_state_bytes(rows, cols) + BLOCK_SCALAR_BYTES
         else:
             total += 2 * FLOAT32_BYTES * math.prod(shape)
         total += FLOAT32_BYTES

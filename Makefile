@@ -35,17 +35,23 @@ $(COMPOSER_VENV)/.installed: pyproject.toml
 
 test: test-lightning test-composer
 
+# Tests run in parallel worker processes (pytest-xdist), one per CPU up to TEST_WORKERS: most tests use
+# one core, and the multi-process ones pin their ranks to one thread each. TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 4
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS))
+
 # The peer is installed when ../shared/peers has it, so that the tests of the peers benchmark run.
 test-lightning: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The fast lane: every test that starts no other Python process (no gloo ranks, no scripts), in .venv.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not multiprocess"
+	$(PY) -m pytest -q $(XDIST) -m "not multiprocess"
 
 # The option refusals of Composer's Dash live with every entry point's (tests/trainers); the main lane skips them.
+# By file: one worker runs a module's tests, so a module-scoped fixture (a two-rank run) runs once.
 test-composer: $(COMPOSER_VENV)/.installed
-	$(CPY) -m pytest -q tests/with_composer
+	$(CPY) -m pytest -q $(XDIST) $(if $(XDIST),--dist loadfile) tests/with_composer
 	$(CPY) -m pytest -q tests/trainers/test_option_refusals.py -k composer
 
 # The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.

@@ -39,7 +39,7 @@ def factor_rows(pairs: Tensor) -> Tensor:
 
 def factors(pairs: Tensor) -> Tensor:
     """The full symmetric factors ``(n, s, s)`` of a stack of pairs."""
-    top = pairs[:, :-1]
+    top = factor_rows(pairs)
     return torch.where(_upper(pair_side(pairs), pairs.device), top, top.mT)
 
 
@@ -52,7 +52,7 @@ def roots(pairs: Tensor) -> Tensor:
 def with_factors(pairs: Tensor, factors: Tensor) -> Tensor:
     """New pairs holding the upper triangles of ``factors`` (nothing below them is read) and the
     roots of ``pairs``."""
-    top = torch.where(_upper(pair_side(pairs), pairs.device), factors.to(pairs.dtype), pairs[:, :-1])
+    top = torch.where(_upper(pair_side(pairs), pairs.device), factors.to(pairs.dtype), factor_rows(pairs))
     return torch.cat([top, pairs[:, -1:]], dim=1)
 
 

@@ -194,6 +194,8 @@ def import_stack(
     (:func:`export_tiles`); only this stack's tiles are read.
     """
     root_valid, root_failures = state.root_valid.cpu(), state.root_failures.cpu()
+    rows, cols = packed.pair_side(state.left_pair), packed.pair_side(state.right_pair)
+    shapes = {key: (rows, rows) if key.startswith("left") else (cols, cols) for key in FACTOR_KEYS}
     for region in plan.regions:
         entry = saved.get(region.param_index)
         # No factors at all: a parameter without statistics yet. (A retired sharded layout
@@ -215,11 +217,9 @@ def import_stack(
             for col in range(region.tile_cols):
                 block = region.stack_offset + row * region.tile_cols + col
                 tile = _tile_index(region, block_size, row, col)
-                sides = {"left": packed.pair_side(state.left_pair), "right": packed.pair_side(state.right_pair)}
                 matrices = {key: entry.get(tile_key(key, tile)) for key in FACTOR_KEYS}
                 for key, saved_block in matrices.items():
-                    side = sides[key.split("_")[0]]
-                    if saved_block is None or saved_block.shape != (side, side):
+                    if saved_block is None or saved_block.shape != shapes[key]:
                         raise ValueError(
                             f"saved state of {names[region.param_index]} does not match block_size="
                             f"{block_size}: missing or mis-shaped {tile_key(key, tile)}"

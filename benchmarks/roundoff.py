@@ -23,11 +23,18 @@ within a few steps, bytes that are almost never the target): the case that expos
 
 On the CPU, ``tf32`` is emulated (operands rounded to TF32, :mod:`lightning_dash.optim.precision`);
 on CUDA it runs on the tensor cores.
+
+``--optimizer-dtype float64`` separates the optimizer's arithmetic from the model's: DASH then steps
+float64 master copies of the float32 model (statistics, roots, momentum and update in float64), and
+the model's forward and backward stay float32, reading the masters rounded to float32.
+
+    python benchmarks/roundoff.py --networks gru_lm --seeds 8 --optimizer-dtype float32 float64
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 from collections.abc import Callable
@@ -111,8 +118,10 @@ def trajectory_change(
     seed: int,
     size: float = 1e-7,
     device: torch.device | None = None,
+    optimizer_dtype: torch.dtype = torch.float32,
 ) -> float:
-    """``||p' - p|| / ||p - p0||`` after ``steps`` steps, ``p'`` trained on perturbed gradients."""
+    """``||p' - p|| / ||p - p0||`` after ``steps`` steps, ``p'`` trained on perturbed gradients;
+    DASH steps the float32 model itself, or float64 masters of it (``optimizer_dtype``)."""
     spec = NETWORKS[network]
     device = device or torch.device("cpu")
     batches = [(x.to(device), y.to(device)) for x, y in spec.batches(steps, seed)]
@@ -120,17 +129,23 @@ def trajectory_change(
     for perturbation in (0.0, size):
         torch.manual_seed(seed)
         model = spec.build().to(device)
-        start = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-        adamw = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=0.01)
-        optimizer = DASH.from_optimizer(adamw, model=model if spec.knows_model else None, **options)
+        # The optimizer's own copy: the model itself, or float64 masters of it (``optimizer_dtype``).
+        stepped = model if optimizer_dtype == torch.float32 else copy.deepcopy(model).to(optimizer_dtype)
+        start = torch.cat([p.detach().reshape(-1).double() for p in stepped.parameters()])
+        adamw = torch.optim.AdamW(stepped.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=0.01)
+        optimizer = DASH.from_optimizer(adamw, model=stepped if spec.knows_model else None, **options)
         noise = torch.Generator().manual_seed(seed + 1000)
         for x, y in batches:
-            optimizer.zero_grad()
+            model.zero_grad()
             spec.loss(model(x), y).backward()
-            for p in model.parameters():
+            for p, master in zip(model.parameters(), stepped.parameters()):
                 p.grad.mul_(1.0 + perturbation * torch.randn(p.shape, generator=noise).to(device))
+                master.grad = p.grad.to(optimizer_dtype)
             optimizer.step()
-        finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            with torch.no_grad():
+                for p, master in zip(model.parameters(), stepped.parameters()):
+                    p.copy_(master)
+        finals.append(torch.cat([p.detach().reshape(-1).double() for p in stepped.parameters()]))
     return float((finals[1] - finals[0]).norm() / (finals[0] - start).norm())
 
 
@@ -144,6 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=[defaults.inverse_root_method], help="inverse-root solvers")
     parser.add_argument("--preconditions", nargs="+", default=[defaults.precondition], help="routing rules")
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
+    parser.add_argument(
+        "--optimizer-dtype", nargs="+", default=["float32"], choices=["float32", "float64"], help="DASH's arithmetic"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", nargs="+", type=int, default=[10, 12])
     parser.add_argument("--seeds", type=int, default=3)
@@ -157,9 +175,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     records = []
     candidates = itertools.product(
-        args.orders, args.epsilons, args.frequencies, args.matmul_precisions, args.methods, args.preconditions
+        args.orders,
+        args.epsilons,
+        args.frequencies,
+        args.matmul_precisions,
+        args.methods,
+        args.preconditions,
+        args.optimizer_dtype,
     )
-    for order, epsilon, frequency, matmul_precision, method, precondition in candidates:
+    for order, epsilon, frequency, matmul_precision, method, precondition, optimizer_dtype in candidates:
         options = {
             "root_order": order,
             "epsilon": epsilon,
@@ -169,15 +193,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "precondition": precondition,
         }
         for network, steps in itertools.product(args.networks, args.steps):
-            per_seed = [trajectory_change(network, options, steps, seed, device=device) for seed in range(args.seeds)]
+            dtype = getattr(torch, optimizer_dtype)
+            per_seed = [
+                trajectory_change(network, options, steps, seed, device=device, optimizer_dtype=dtype)
+                for seed in range(args.seeds)
+            ]
             records.append(
                 {**options, **stamp(device), "network": network, "steps": steps, "change": max(per_seed)}
-                | {"per_seed": per_seed}
+                | {"optimizer_dtype": optimizer_dtype, "per_seed": per_seed}
             )
-    header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "network", "steps", "change"]
+    header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "optimizer", "network", "steps"]
+    header.append("change")
     rows = [
         [str(r["root_order"]), f"{r['epsilon']:.0e}", str(r["precondition_frequency"]), r["matmul_precision"]]
-        + [r["inverse_root_method"], r["precondition"], r["network"], str(r["steps"]), f"{r['change']:.1e}"]
+        + [r["inverse_root_method"], r["precondition"], r["optimizer_dtype"], r["network"], str(r["steps"])]
+        + [f"{r['change']:.1e}"]
         for r in records
     ]
     print(format_columns(header, rows))

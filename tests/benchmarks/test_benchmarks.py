@@ -544,3 +544,27 @@ def test_recurrent_routing_tiny_run_writes_its_layout(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [len(r["train_every_10"]) for r in records] == [1, 1]
     assert all(r["failed"] == (r["final_val"] > recurrent_routing.FAILED_ABOVE) for r in records)
+
+
+def test_roundoff_separates_the_optimizers_arithmetic_from_the_models(tmp_path):
+    """On the parity MLP (10 steps, seed 0): an unperturbed rerun lands exactly where the first run
+    did, at either optimizer dtype (the measure is deterministic); with the perturbation, float64
+    arithmetic in DASH moves the parameters less than float32 arithmetic does."""
+    import roundoff
+
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.float64):
+            assert roundoff.trajectory_change("parity_mlp", {}, 10, 0, size=0.0, optimizer_dtype=dtype) == 0.0
+        records = roundoff.main(
+            ["--networks", "parity_mlp", "--steps", "10", "--seeds", "1", "--optimizer-dtype", "float32", "float64"]
+            + ["--out", str(tmp_path / "roundoff.json")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "roundoff.json").read_text()) == records
+    float32, float64 = records
+    assert (float32["optimizer_dtype"], float64["optimizer_dtype"]) == ("float32", "float64")
+    assert {"device", "date", "commit", "torch"} <= set(float32)
+    assert float32["per_seed"] == [float32["change"]] and 0 < float32["change"] < 1e-4
+    assert 0 < float64["change"] < float32["change"] / 3

@@ -1,6 +1,31 @@
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+# One intra-op thread in every test process and in the processes it starts. The multi-process
+# tests fork their ranks (helpers/spawning.py), and a rank forked from a process that has run a
+# parallel OpenMP region of two or more threads waits forever at its own first one (GNU OpenMP's
+# thread pool does not survive a fork). The variable is set before torch is imported, and it also
+# keeps Lightning's launchers from raising the thread count: with one device they set it to the
+# number of cores unless OMP_NUM_THREADS is set. The test workers run side by side, one per core, so
+# more threads would only oversubscribe the machine.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_after_each_test():
+    """Fail the test that leaves torch's thread count raised, before a later test forks ranks that hang."""
+    yield
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert threads == 1, f"the test left torch.get_num_threads() at {threads}: forked ranks would hang"
+
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.spawning import START_METHOD
 
 from lightning_dash.distributed.dct_topk import (
     chunk_size_for,
@@ -319,8 +320,11 @@ def _gloo_worker(rank: int, init_file: str, out_dir: str, threads: int, steps: i
 @pytest.mark.multiprocess
 def test_two_gloo_ranks_agree_bitwise_with_single_process_decode(tmp_path):
     steps = 3
-    mp.spawn(
-        _gloo_worker, args=(str(tmp_path / "init"), str(tmp_path), torch.get_num_threads(), steps), nprocs=2, join=True
+    mp.start_processes(
+        _gloo_worker,
+        args=(str(tmp_path / "init"), str(tmp_path), torch.get_num_threads(), steps),
+        nprocs=2,
+        start_method=START_METHOD,
     )
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     # single-process reference: each rank's encoder, then the mean decode of both payloads

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.spawning import START_METHOD
 
 from lightning_dash import DASH
 from lightning_dash.distributed import ProcessGroupDistributor
@@ -112,7 +113,7 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 
 @pytest.mark.multiprocess
 def test_consolidation_after_add_param_group_and_after_load(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method=START_METHOD)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert ranks[0]["owned"] > 0 and ranks[1]["owned"] > 0  # both ranks really own blocks
     expected = _single_process_state()

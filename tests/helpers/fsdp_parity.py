@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from helpers.lightning_parity import PARITY_NUMERICS
+from helpers.spawning import START_METHOD
 from lightning_dash import DASH
 from lightning_dash.strategies.dash_fsdp import DashFSDPStrategy
 
@@ -198,9 +199,16 @@ class HybridShardedLMModule(LMModule):
         super().on_train_batch_end(outputs, batch, batch_idx)
 
 
-def trainer(devices: int, steps: int, root: Path, strategy: pl.strategies.Strategy | None = None, **kwargs):
+def trainer(
+    devices: int,
+    steps: int,
+    root: Path,
+    strategy: pl.strategies.Strategy | None = None,
+    start_method: str = START_METHOD,
+    **kwargs,
+):
     if strategy is None:
-        strategy = DashFSDPStrategy(start_method="spawn", **DASH_OPTIONS, **kwargs.pop("strategy_options", {}))
+        strategy = DashFSDPStrategy(start_method=start_method, **DASH_OPTIONS, **kwargs.pop("strategy_options", {}))
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, default_root_dir=root, **settings

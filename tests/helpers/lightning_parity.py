@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.spawning import START_METHOD
 from lightning_dash import DASH, DashStrategy
 
 GLOBAL_BATCH = 16
@@ -151,7 +152,7 @@ def trainer(devices: int, steps: int, root: Path, strategy: DashStrategy | str |
     to the DASH options of the reference, spawning the ranks when there are several. ``kwargs``
     replace or add Trainer arguments."""
     if strategy is None:
-        strategy = DashStrategy(start_method="spawn" if devices > 1 else "popen", **DASH_OPTIONS)
+        strategy = DashStrategy(start_method=START_METHOD if devices > 1 else "popen", **DASH_OPTIONS)
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return pl.Trainer(
         accelerator="cpu",

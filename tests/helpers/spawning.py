@@ -1,4 +1,4 @@
-"""Running a check in several gloo processes (``torch.multiprocessing.spawn``), one per rank."""
+"""Running a check in several gloo processes, one per rank, and how the tests start ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+#: How the tests start their ranks, here and in the trainers' tests. A forked rank inherits the
+#: modules its parent imported; a spawned one imports torch and Lightning again, and Lightning pulls
+#: in torchmetrics and transformers: about 13 s of CPU per rank on the 2-core test machine, most of
+#: a two-rank test's time. Spawning keeps its own tests, the ones that pass ``"spawn"`` by name (the
+#: demo, the CLI, a sharded run, a Fabric run): they check that what a spawned rank unpickles works.
+START_METHOD = "fork"
 
 
 def _run(rank: int, world_size: int, init_file: str, check) -> None:
@@ -29,7 +36,9 @@ def _run(rank: int, world_size: int, init_file: str, check) -> None:
 def spawn(check, world_size: int, tmp_path) -> None:
     """Run ``check(rank, world_size)`` in ``world_size`` processes; an interrupted run (Ctrl-C,
     SIGTERM) ends them rather than leaving them to wait for their peers."""
-    ranks = mp.start_processes(_run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size, join=False)
+    ranks = mp.start_processes(
+        _run, args=(world_size, str(tmp_path / "init"), check), nprocs=world_size, join=False, start_method=START_METHOD
+    )
     try:
         while not ranks.join():
             pass

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers.reference import ReferenceDash
+from helpers.spawning import START_METHOD
 from torch import nn
 
 from lightning_dash import DASH, DashStrategy
@@ -429,7 +430,7 @@ def test_bf16_mixed_accumulation_and_compile_on_cpu_equal_the_option_off(tmp_pat
 def two_process_run(tmp_path, name: str, emulate: bool = False, **options) -> list[torch.Tensor]:
     from helpers.lightning_parity import DASH_OPTIONS, release_process_group, trainer
 
-    run = trainer(2, 3, tmp_path, strategy=DashStrategy(start_method="spawn", **{**DASH_OPTIONS, **options}))
+    run = trainer(2, 3, tmp_path, strategy=DashStrategy(start_method=START_METHOD, **{**DASH_OPTIONS, **options}))
     path = tmp_path / f"{name}.pt"
     run.fit(FinalParameters(str(path), emulate))
     release_process_group()

@@ -29,6 +29,7 @@ from helpers.fsdp_parity import (
     reference_trajectory,
 )
 from helpers.lightning_parity import clean_process_group  # noqa: F401 (an autouse fixture)
+from helpers.spawning import START_METHOD
 from lightning.fabric import Fabric
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -44,12 +45,12 @@ def reference() -> list[dict[str, torch.Tensor]]:
     return reference_trajectory(6)
 
 
-def ddp(**options) -> DashFabricStrategy:
-    return DashFabricStrategy(start_method="spawn", timeout=TIMEOUT, **options)
+def ddp(start_method: str = START_METHOD, **options) -> DashFabricStrategy:
+    return DashFabricStrategy(start_method=start_method, timeout=TIMEOUT, **options)
 
 
-def fsdp(**options) -> DashFabricFSDPStrategy:
-    return DashFabricFSDPStrategy(start_method="spawn", timeout=TIMEOUT, **options)
+def fsdp(start_method: str = START_METHOD, **options) -> DashFabricFSDPStrategy:
+    return DashFabricFSDPStrategy(start_method=start_method, timeout=TIMEOUT, **options)
 
 
 def launch(strategy, devices: int, function, *args, **kwargs):
@@ -175,7 +176,7 @@ def test_options_are_checked_when_the_strategy_is_built():
 @pytest.mark.multiprocess
 def test_ddp_matches_single_process_dash_and_resumes_at_one_process_and_under_fsdp(tmp_path, reference):
     checkpoint = tmp_path / "ddp.ckpt"
-    result = launch(ddp(**DASH_OPTIONS), 2, train, reference, 3, save=checkpoint, save_at=3)
+    result = launch(ddp(start_method="spawn", **DASH_OPTIONS), 2, train, reference, 3, save=checkpoint, save_at=3)
     assert result["strategy"] == "lightning_dash.fabric.fabric_ddp" and not result["dtensors"]
     assert checkpoint.is_file()
     launch(ddp(**DASH_OPTIONS), 1, train, reference, 6, load=checkpoint)

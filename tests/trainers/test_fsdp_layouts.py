@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers.lightning_parity import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
+from helpers.spawning import START_METHOD
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -357,7 +358,7 @@ def test_unchanged_layout_is_sharded_with_ties_kept_and_matches_single_process_d
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DashFSDPStrategy(start_method="spawn", **DASH_OPTIONS),
+        strategy=DashFSDPStrategy(start_method=START_METHOD, **DASH_OPTIONS),
         max_steps=STEPS,
         default_root_dir=tmp_path,
         logger=False,

@@ -25,6 +25,7 @@ from helpers.fsdp_parity import (
     trainer,
 )
 from helpers.lightning_parity import PARITY_NUMERICS, clean_process_group, release_process_group  # noqa: F401 (an autouse fixture)
+from helpers.spawning import START_METHOD
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -43,8 +44,8 @@ def reference_file(tmp_path_factory) -> str:
 
 @pytest.mark.multiprocess
 def test_unchanged_module_is_sharded_and_matches_single_process_dash(reference_file, tmp_path):
-    """Two ranks (four: the resume from two below, HSDP and tensor parallelism)."""
-    trainer(2, 5, tmp_path).fit(LMModule(reference_file))
+    """Two spawned ranks (four: the resume from two below, HSDP and tensor parallelism)."""
+    trainer(2, 5, tmp_path, start_method="spawn").fit(LMModule(reference_file))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_tensor_parallel_matches_one_process_and_resumes_under_other_layouts(eve
     checked = DDPChecked(even_reference_file)
     checked.hidden = EVEN_HIDDEN
     checked.model = TinyLM(EVEN_HIDDEN)
-    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
+    ddp = DashStrategy(start_method=START_METHOD, **DASH_OPTIONS)
     trainer(2, 2 * len(legs) + 2, tmp_path, strategy=ddp).fit(checked, ckpt_path=previous)
 
 
@@ -112,13 +113,13 @@ def test_hsdp_in_configure_model_matches_one_process_and_resumes_under_fsdp(refe
 @pytest.mark.multiprocess
 def test_checkpoints_move_between_ddp_and_fsdp(reference_file, tmp_path):
     from_ddp = tmp_path / "ddp.ckpt"
-    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
+    ddp = DashStrategy(start_method=START_METHOD, **DASH_OPTIONS)
     trainer(2, 3, tmp_path, strategy=ddp).fit(DDPChecked(reference_file, str(from_ddp)))
     release_process_group()
     from_fsdp = tmp_path / "fsdp.ckpt"
     trainer(2, 6, tmp_path).fit(LMModule(reference_file, str(from_fsdp)), ckpt_path=from_ddp)
     release_process_group()
-    ddp = DashStrategy(start_method="spawn", **DASH_OPTIONS)
+    ddp = DashStrategy(start_method=START_METHOD, **DASH_OPTIONS)
     trainer(2, 8, tmp_path, strategy=ddp).fit(DDPChecked(reference_file), ckpt_path=from_fsdp)
 
 
@@ -154,7 +155,7 @@ def test_bf16_mixed_and_the_traffic_the_monitor_logs(reference_file, tmp_path):
 
     from lightning_dash.callbacks import DashMonitor
 
-    strategy = DashFSDPStrategy(start_method="spawn", **DASH_OPTIONS)
+    strategy = DashFSDPStrategy(start_method=START_METHOD, **DASH_OPTIONS)
     run = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -190,7 +191,7 @@ def test_resuming_with_another_block_size_names_it(reference_file, tmp_path):
     checkpoint = tmp_path / "half.ckpt"
     trainer(2, 2, tmp_path).fit(LMModule(reference_file, str(checkpoint)))
     release_process_group()
-    other = DashFSDPStrategy(start_method="spawn", **{**DASH_OPTIONS, "block_size": 16})
+    other = DashFSDPStrategy(start_method=START_METHOD, **{**DASH_OPTIONS, "block_size": 16})
     with pytest.raises(Exception, match="written with block_size=8 and this optimizer has block_size=16"):
         trainer(2, 4, tmp_path, strategy=other).fit(LMModule(reference_file), ckpt_path=checkpoint)
 
@@ -221,7 +222,7 @@ def test_a_rank_killed_while_saving_leaves_the_last_complete_checkpoint(referenc
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(steps: int, module: LMModule, **fit) -> None:
-        strategy = DashFSDPStrategy(start_method="spawn", save_distributed_checkpoint=True, **DASH_OPTIONS)
+        strategy = DashFSDPStrategy(start_method=START_METHOD, save_distributed_checkpoint=True, **DASH_OPTIONS)
         saving = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, every_n_train_steps=2)
         pl.Trainer(
             accelerator="cpu",
@@ -250,7 +251,7 @@ def test_resuming_from_a_truncated_file_names_it(reference_file, tmp_path, strat
     torch.save({"state_dict": TinyLM().state_dict(), "padding": torch.zeros(4096)}, whole)
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(whole.read_bytes()[:5000])
-    strategy = strategy_class(start_method="spawn", **DASH_OPTIONS)
+    strategy = strategy_class(start_method=START_METHOD, **DASH_OPTIONS)
     with pytest.raises(Exception, match="truncated.ckpt .*truncated or corrupted"):
         trainer(2, 4, tmp_path, strategy=strategy).fit(LMModule(reference_file), ckpt_path=truncated)
 

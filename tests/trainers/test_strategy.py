@@ -24,6 +24,7 @@ from helpers.lightning_parity import (
     trainer,
 )
 from helpers.option_values import NON_DEFAULT, assert_carries, user_optimizer
+from helpers.spawning import START_METHOD
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
@@ -54,7 +55,7 @@ def test_two_processes_at_dash_defaults_stay_within_roundoff_of_one_process(tmp_
     options = {"block_size": 16}
     path = tmp_path / "defaults.pt"
     torch.save(reference_trajectory(12, options), path)
-    strategy = DashStrategy(start_method="spawn", **options)
+    strategy = DashStrategy(start_method=START_METHOD, **options)
     trainer(2, 12, tmp_path, strategy).fit(ParityModule(str(path)))
 
 
@@ -114,7 +115,7 @@ def test_base_finetuning_adds_groups_mid_training(tmp_path):
         2,
         -1,
         tmp_path,
-        DashStrategy(start_method="spawn", block_size=16),
+        DashStrategy(start_method=START_METHOD, block_size=16),
         max_epochs=2,
         callbacks=[FreezeThenUnfreeze()],
     )
@@ -258,7 +259,7 @@ def test_callbacks_in_two_processes_and_their_checkpointed_state(tmp_path):
         2,
         8,
         tmp_path,
-        DashStrategy(start_method="spawn", block_size=16),
+        DashStrategy(start_method=START_METHOD, block_size=16),
         callbacks=callbacks,
         logger=CSVLogger(tmp_path, name="csv"),
     )
@@ -344,7 +345,7 @@ class TensorParallelInConfigureModel(BoringModel):
 @pytest.mark.multiprocess
 def test_a_tensor_parallel_model_is_refused_before_ddp_wraps_it_with_the_fix(tmp_path):
     """Without the check, DDP's first broadcast fails inside torch ("no sharding strategy registered")."""
-    strategy = DashStrategy(start_method="spawn")
+    strategy = DashStrategy(start_method=START_METHOD)
     refusal = r"parameter layer\.weight is a DTensor placed as \(Shard\(dim=0\),\)"
     with pytest.raises(Exception, match=refusal) as raised:
         trainer(2, 2, tmp_path, strategy=strategy).fit(TensorParallelInConfigureModel())

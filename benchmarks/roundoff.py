@@ -28,6 +28,12 @@ on CUDA it runs on the tensor cores.
 float64 master copies of the float32 model (statistics, roots, momentum and update in float64), and
 the model's forward and backward stay float32, reading the masters rounded to float32.
 
+``--perturbations halves`` measures what two data-parallel ranks change instead of a random
+perturbation: the perturbed run steps on the mean of the two half-batches' gradients (each rank's
+share, averaged as DDP averages them), the other on the whole batch's.
+
+    python benchmarks/roundoff.py --networks gru_lm --seeds 8 --perturbations relative halves
+
     python benchmarks/roundoff.py --networks gru_lm --seeds 8 --optimizer-dtype float32 float64
 """
 
@@ -111,6 +117,28 @@ NETWORKS = {
 }
 
 
+def batch_gradients(
+    model: nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    halves: bool,
+) -> None:
+    """The batch loss's gradient into ``.grad``: the whole batch's, or (``halves``) the mean of its
+    two halves' gradients, as two data-parallel ranks each holding one half average them."""
+    if not halves:
+        model.zero_grad()
+        loss(model(x), y).backward()
+        return
+    shares = []
+    for part in (slice(None, len(x) // 2), slice(len(x) // 2, None)):
+        model.zero_grad()
+        loss(model(x[part]), y[part]).backward()
+        shares.append([p.grad for p in model.parameters()])
+    for p, first, second in zip(model.parameters(), *shares):
+        p.grad = (first + second) / 2
+
+
 def trajectory_change(
     network: str,
     options: dict[str, Any],
@@ -119,14 +147,19 @@ def trajectory_change(
     size: float = 1e-7,
     device: torch.device | None = None,
     optimizer_dtype: torch.dtype = torch.float32,
+    perturbation: str = "relative",
 ) -> float:
-    """``||p' - p|| / ||p - p0||`` after ``steps`` steps, ``p'`` trained on perturbed gradients;
-    DASH steps the float32 model itself, or float64 masters of it (``optimizer_dtype``)."""
+    """``||p' - p|| / ||p - p0||`` after ``steps`` steps, ``p'`` trained on perturbed gradients
+    (``"relative"``: each times ``1 + size * randn``; ``"halves"``: the mean of the two
+    half-batches' gradients); DASH steps the float32 model itself, or float64 masters of it
+    (``optimizer_dtype``)."""
     spec = NETWORKS[network]
     device = device or torch.device("cpu")
     batches = [(x.to(device), y.to(device)) for x, y in spec.batches(steps, seed)]
     finals, start = [], None
-    for perturbation in (0.0, size):
+    for perturbed in (False, True):
+        halves = perturbed and perturbation == "halves"
+        scale = size if perturbed and perturbation == "relative" else 0.0
         torch.manual_seed(seed)
         model = spec.build().to(device)
         # The optimizer's own copy: the model itself, or float64 masters of it (``optimizer_dtype``).
@@ -136,10 +169,9 @@ def trajectory_change(
         optimizer = DASH.from_optimizer(adamw, model=stepped if spec.knows_model else None, **options)
         noise = torch.Generator().manual_seed(seed + 1000)
         for x, y in batches:
-            model.zero_grad()
-            spec.loss(model(x), y).backward()
+            batch_gradients(model, spec.loss, x, y, halves)
             for p, master in zip(model.parameters(), stepped.parameters()):
-                p.grad.mul_(1.0 + perturbation * torch.randn(p.shape, generator=noise).to(device))
+                p.grad.mul_(1.0 + scale * torch.randn(p.shape, generator=noise).to(device))
                 master.grad = p.grad.to(optimizer_dtype)
             optimizer.step()
             with torch.no_grad():
@@ -162,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizer-dtype", nargs="+", default=["float32"], choices=["float32", "float64"], help="DASH's arithmetic"
     )
+    parser.add_argument(
+        "--perturbations", nargs="+", default=["relative"], choices=["relative", "halves"], help="what changes"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", nargs="+", type=int, default=[10, 12])
     parser.add_argument("--seeds", type=int, default=3)
@@ -182,8 +217,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.methods,
         args.preconditions,
         args.optimizer_dtype,
+        args.perturbations,
     )
-    for order, epsilon, frequency, matmul_precision, method, precondition, optimizer_dtype in candidates:
+    for order, epsilon, frequency, matmul_precision, method, precondition, optimizer_dtype, kind in candidates:
         options = {
             "root_order": order,
             "epsilon": epsilon,
@@ -195,19 +231,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for network, steps in itertools.product(args.networks, args.steps):
             dtype = getattr(torch, optimizer_dtype)
             per_seed = [
-                trajectory_change(network, options, steps, seed, device=device, optimizer_dtype=dtype)
+                trajectory_change(
+                    network, options, steps, seed, device=device, optimizer_dtype=dtype, perturbation=kind
+                )
                 for seed in range(args.seeds)
             ]
             records.append(
                 {**options, **stamp(device), "network": network, "steps": steps, "change": max(per_seed)}
-                | {"optimizer_dtype": optimizer_dtype, "per_seed": per_seed}
+                | {"optimizer_dtype": optimizer_dtype, "perturbation": kind, "per_seed": per_seed}
             )
     header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "optimizer", "network", "steps"]
-    header.append("change")
+    header += ["perturbation", "change"]
     rows = [
         [str(r["root_order"]), f"{r['epsilon']:.0e}", str(r["precondition_frequency"]), r["matmul_precision"]]
         + [r["inverse_root_method"], r["precondition"], r["optimizer_dtype"], r["network"], str(r["steps"])]
-        + [f"{r['change']:.1e}"]
+        + [r["perturbation"], f"{r['change']:.1e}"]
         for r in records
     ]
     print(format_columns(header, rows))

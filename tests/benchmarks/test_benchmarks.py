@@ -568,3 +568,25 @@ def test_roundoff_separates_the_optimizers_arithmetic_from_the_models(tmp_path):
     assert {"device", "date", "commit", "torch"} <= set(float32)
     assert float32["per_seed"] == [float32["change"]] and 0 < float32["change"] < 1e-4
     assert 0 < float64["change"] < float32["change"] / 3
+
+
+def test_roundoff_halves_average_the_two_half_batches_gradients():
+    """The gradient two data-parallel ranks average equals the whole batch's to float32 roundoff,
+    and training on it stays within the project's goal of the single-process run."""
+    import roundoff
+
+    spec = roundoff.NETWORKS["parity_mlp"]
+    x, y = spec.batches(1, 0)[0]
+    model = roundoff.parity_mlp()
+    grads = []
+    for halves in (False, True):
+        roundoff.batch_gradients(model, spec.loss, x, y, halves)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    whole, averaged = grads
+    assert whole.norm() > 0 and (averaged - whole).norm() <= 1e-6 * whole.norm()
+    threads = torch.get_num_threads()
+    try:
+        change = roundoff.trajectory_change("parity_mlp", {}, 10, 0, perturbation="halves")
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < change < 1e-4

@@ -28,13 +28,13 @@ on CUDA it runs on the tensor cores.
 float64 master copies of the float32 model (statistics, roots, momentum and update in float64), and
 the model's forward and backward stay float32, reading the masters rounded to float32.
 
+    python benchmarks/roundoff.py --networks gru_lm --seeds 8 --optimizer-dtype float32 float64
+
 ``--perturbations halves`` measures what two data-parallel ranks change instead of a random
 perturbation: the perturbed run steps on the mean of the two half-batches' gradients (each rank's
 share, averaged as DDP averages them), the other on the whole batch's.
 
     python benchmarks/roundoff.py --networks gru_lm --seeds 8 --perturbations relative halves
-
-    python benchmarks/roundoff.py --networks gru_lm --seeds 8 --optimizer-dtype float32 float64
 """
 
 from __future__ import annotations
@@ -174,9 +174,10 @@ def trajectory_change(
                 p.grad.mul_(1.0 + scale * torch.randn(p.shape, generator=noise).to(device))
                 master.grad = p.grad.to(optimizer_dtype)
             optimizer.step()
-            with torch.no_grad():
-                for p, master in zip(model.parameters(), stepped.parameters()):
-                    p.copy_(master)
+            if stepped is not model:
+                with torch.no_grad():
+                    for p, master in zip(model.parameters(), stepped.parameters()):
+                        p.copy_(master)
         finals.append(torch.cat([p.detach().reshape(-1).double() for p in stepped.parameters()]))
     return float((finals[1] - finals[0]).norm() / (finals[0] - start).norm())
 

@@ -117,6 +117,11 @@ NETWORKS = {
 }
 
 
+#: What the perturbed run changes: every gradient entry by ``size * randn`` of itself, or the
+#: gradient into the mean of the two half-batches' gradients.
+PERTURBATIONS = ("relative", "halves")
+
+
 def batch_gradients(
     model: nn.Module,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -153,6 +158,8 @@ def trajectory_change(
     (``"relative"``: each times ``1 + size * randn``; ``"halves"``: the mean of the two
     half-batches' gradients); DASH steps the float32 model itself, or float64 masters of it
     (``optimizer_dtype``)."""
+    if perturbation not in PERTURBATIONS:
+        raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {perturbation!r}")
     spec = NETWORKS[network]
     device = device or torch.device("cpu")
     batches = [(x.to(device), y.to(device)) for x, y in spec.batches(steps, seed)]
@@ -195,9 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizer-dtype", nargs="+", default=["float32"], choices=["float32", "float64"], help="DASH's arithmetic"
     )
-    parser.add_argument(
-        "--perturbations", nargs="+", default=["relative"], choices=["relative", "halves"], help="what changes"
-    )
+    parser.add_argument("--perturbations", nargs="+", default=["relative"], choices=PERTURBATIONS, help="what changes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", nargs="+", type=int, default=[10, 12])
     parser.add_argument("--seeds", type=int, default=3)

@@ -590,3 +590,5 @@ def test_roundoff_halves_average_the_two_half_batches_gradients():
     finally:
         torch.set_num_threads(threads)
     assert 0 < change < 1e-4
+    with pytest.raises(ValueError, match="perturbation must be one of"):
+        roundoff.trajectory_change("parity_mlp", {}, 1, 0, perturbation="half")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -18,7 +17,6 @@ START_METHOD = "fork"
 
 
 def _run(rank: int, world_size: int, init_file: str, check) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
     )

@@ -182,7 +182,7 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
         return DASH.from_optimizer(adamw, block_size=DASH_BLOCK_SIZE, **contender.options)
     if family == "strategy":  # what strategy="dash" makes of it: the model for routing, DASH's defaults otherwise
         adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
-        return DASH.from_optimizer(adamw, model=model)
+        return DASH.from_optimizer(adamw, model=model, **contender.options)
     if family == "dash":
         # DASH's defaults, but for the block size; a variant's options override the shared ones.
         options = {"betas": BETAS, "weight_decay": WEIGHT_DECAY, "block_size": DASH_BLOCK_SIZE, **contender.options}
@@ -237,6 +237,8 @@ def optimizer_options(
     if isinstance(optimizer, DASH):
         options.update({name: getattr(optimizer, name) for name in DASH_RECORDED})
         options["precondition_frequency"] = optimizer.param_groups[0]["precondition_frequency"]
+        options["epsilon"] = optimizer.param_groups[0]["epsilon"]
+        options["grafting_norm"] = optimizer.config.grafting_norm
     if contender.family in ("soap", "psgd"):
         options["compile"] = False
     options.update(contender.options)

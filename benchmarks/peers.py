@@ -56,6 +56,8 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
 * ``dash-strategy-defaults``: what ``strategy="dash"`` makes of that AdamW (``from_optimizer`` with
   the model, so ``"auto"`` routing keeps the byte embedding and the head on Adam; every other
   option DASH's default, block size 1024 included), also at AdamW's best lr only.
+  ``--strategy-variant NAME=JSON`` adds the same with some DASH options set (the damping,
+  grafting-norm and refresh sweeps of docs/benchmarks.md), also at AdamW's best lr only.
 
 Protocol, per width (``--widths``; the first is the main size, the others are "larger"): each
 contender runs every lr of its grid (``--lrs-<name>``; halvings and doublings: AdamW 3e-3 to
@@ -229,6 +231,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(runs with the --optimizers given, else alone)",
     )
     parser.add_argument(
+        "--strategy-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="what strategy='dash' makes of AdamW's recipe with these DASH options set (run at AdamW's best lr "
+        'only, as dash-strategy-defaults), e.g. \'eps-1e-4={"epsilon": 1e-4}\'',
+    )
+    parser.add_argument(
         "--muon-adamw-lr",
         type=float,
         default=None,
@@ -259,17 +269,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and plots from the JSON")
     args = parser.parse_args(argv)
     if args.optimizers is None:
-        args.optimizers = [] if args.dash_variant else list(CONTENDERS)
+        args.optimizers = [] if args.dash_variant or args.strategy_variant else list(CONTENDERS)
     args.registry = dict(CONTENDERS)
-    for text in args.dash_variant:
+    variants = [("--dash-variant", text, "dash") for text in args.dash_variant]
+    variants += [("--strategy-variant", text, "strategy") for text in args.strategy_variant]
+    for flag, text, family in variants:
         name, _, options = text.partition("=")
         try:
             options = json.loads(options)
         except json.JSONDecodeError as error:
-            parser.error(f"--dash-variant {text!r}: {error}")
-        lrs = tuple(options.pop("lrs", GRAFTED_LRS))
+            parser.error(f"{flag} {text!r}: {error}")
+        lrs = tuple(options.pop("lrs", GRAFTED_LRS if family == "dash" else CONTENDERS["adamw"].lrs))
         options = {key: tuple(value) if isinstance(value, list) else value for key, value in options.items()}
-        args.registry[name] = Contender(name, "dash", lrs, options)
+        args.registry[name] = Contender(name, family, lrs, options)
         if name not in args.optimizers:
             args.optimizers.append(name)
     unknown = set(args.optimizers) - set(args.registry)

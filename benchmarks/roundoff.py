@@ -5,7 +5,8 @@ about 1e-7 of itself. A trajectory that amplifies that difference makes distribu
 with single-process ones for reasons that are not bugs, so the defaults must keep it small (the
 project's goal: at most 1e-4 of the parameters' movement after 10 steps).
 
-For each candidate (root order, damping ``epsilon``, refresh period, matmul precision, root solver, routing) this
+For each candidate (root order, damping ``epsilon``, refresh period, matmul precision, root solver, routing,
+grafting norm) this
 trains small networks with ``DASH.from_optimizer(AdamW)`` for ``--steps`` steps, once as is and once with every
 gradient multiplied by ``1 + 1e-7 * randn``, and reports ``||p' - p|| / ||p - p0||`` over all
 parameters, the maximum over ``--seeds`` (each seed's in ``per_seed``; one torch thread,
@@ -197,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frequencies", nargs="+", type=int, default=[defaults.precondition_frequency])
     parser.add_argument("--matmul-precisions", nargs="+", default=[defaults.matmul_precision])
     parser.add_argument("--methods", nargs="+", default=[defaults.inverse_root_method], help="inverse-root solvers")
+    parser.add_argument("--grafting-norms", nargs="+", default=[defaults.grafting_norm], help="grafting norms")
     parser.add_argument("--preconditions", nargs="+", default=[defaults.precondition], help="routing rules")
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     parser.add_argument(
@@ -222,10 +224,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.matmul_precisions,
         args.methods,
         args.preconditions,
+        args.grafting_norms,
         args.optimizer_dtype,
         args.perturbations,
     )
-    for order, epsilon, frequency, matmul_precision, method, precondition, optimizer_dtype, kind in candidates:
+    for order, epsilon, frequency, matmul_precision, method, precondition, norm, optimizer_dtype, kind in candidates:
         options = {
             "root_order": order,
             "epsilon": epsilon,
@@ -233,6 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "matmul_precision": matmul_precision,
             "inverse_root_method": method,
             "precondition": precondition,
+            "grafting_norm": norm,
         }
         for network, steps in itertools.product(args.networks, args.steps):
             dtype = getattr(torch, optimizer_dtype)
@@ -246,11 +250,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 {**options, **stamp(device), "network": network, "steps": steps, "change": max(per_seed)}
                 | {"optimizer_dtype": optimizer_dtype, "perturbation": kind, "per_seed": per_seed}
             )
-    header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "optimizer", "network", "steps"]
+    header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "grafting norm", "optimizer"]
+    header += ["network", "steps"]
     header += ["perturbation", "change"]
     rows = [
         [str(r["root_order"]), f"{r['epsilon']:.0e}", str(r["precondition_frequency"]), r["matmul_precision"]]
-        + [r["inverse_root_method"], r["precondition"], r["optimizer_dtype"], r["network"], str(r["steps"])]
+        + [r["inverse_root_method"], r["precondition"], r["grafting_norm"], r["optimizer_dtype"], r["network"]]
+        + [str(r["steps"])]
         + [r["perturbation"], f"{r['change']:.1e}"]
         for r in records
     ]

@@ -18,7 +18,7 @@ from lightning_dash.optim.precision import resolve as resolve_matmul_precision
 from lightning_dash.optim.roots import INVERSE_ROOT_METHODS, RootSettings
 from lightning_dash.optim.routing import AUTO as AUTO_ROUTING
 from lightning_dash.optim.routing import PreconditionRule, check_precondition, check_split_rows
-from lightning_dash.optim.step.grafting import GRAFTING_TYPES
+from lightning_dash.optim.step.grafting import GRAFTING_NORMS, GRAFTING_TYPES
 from lightning_dash.optim.step.schedule import ROOT_SCHEDULES
 from lightning_dash.optim.validation import (
     check_betas,
@@ -209,6 +209,13 @@ class DashConfig:
         "optimizer whose per-block update norm the Shampoo direction takes (none: raw Shampoo)",
         _one_of(GRAFTING_TYPES),
     )
+    grafting_norm: str = _option(
+        "spectral",
+        "the norm in which each block's Shampoo direction takes the grafting direction's size: spectral (its "
+        "largest singular value, estimated by 8 power iterations: a whitened step as large in every direction as "
+        "the grafting step is in its largest); frobenius (the norm of all entries, the behaviour before 0.6)",
+        _one_of(GRAFTING_NORMS),
+    )
     grafting_beta2: float = _option(0.95, "second-moment decay of Adam/RMSprop grafting", _unit_open, per_group=True)
     grafting_epsilon: float = _option(1e-8, "epsilon of the grafting optimizer", _positive, per_group=True)
     shampoo_blend: float = _option(
@@ -326,6 +333,7 @@ PAPER: dict[str, Any] = {
     "decay_vectors": False,
     "nesterov": False,
     "precondition": "all_matrices",
+    "grafting_norm": "frobenius",
 }
 
 #: Every option's name, in declaration order.

@@ -119,6 +119,12 @@ def test_routing_variants_and_unavailable_options():
     optimizer = contenders.build(args.registry["dash-f1"], model, 1e-2, 6e-3)
     assert optimizer.param_groups[0]["precondition_frequency"] == 1
     assert optimizer.param_groups[0]["weight_decay"] == contenders.WEIGHT_DECAY
+    # --strategy-variant: the strategy's conversion of AdamW (routing, AdamW's lr) with some options set.
+    args = peers.parse_args(["--strategy-variant", 'eps={"epsilon": 1e-4, "grafting_norm": "frobenius"}'])
+    assert args.optimizers == ["eps"] and args.registry["eps"].family in peers.FROM_ADAMW
+    converted = contenders.build(args.registry["eps"], model, 6e-3, 6e-3)
+    assert converted.param_groups[0]["epsilon"] == 1e-4 and converted.config.grafting_norm == "frobenius"
+    assert converted.param_groups[0]["lr"] == 6e-3 and converted.preconditioning()["head.weight"] is None
     unknown = contenders.Contender("dash-new", "dash", (1e-2,), {"no_such_option": 1})
     with pytest.raises(contenders.Unavailable):
         contenders.build(unknown, model, 1e-2, 6e-3)

@@ -19,6 +19,16 @@ def inverse_root(matrix: Tensor, eps: float, order: int = 4) -> Tensor:
     return (vectors * (values.clamp_min(0) + eps).pow(-1.0 / order)) @ vectors.T
 
 
+def largest_singular_value(matrix: Tensor, iterations: int = 8) -> float:
+    """The grafting rule's estimate of ``matrix``'s largest singular value, in float64: power iteration
+    on ``A^T A`` from the start vector ``v_j = sin(2.399963 j)``, ``j = 1 .. cols``, ``iterations`` times."""
+    vector = torch.tensor([math.sin(2.399963 * j) for j in range(1, matrix.shape[1] + 1)], dtype=torch.float64)
+    for _ in range(iterations):
+        vector = matrix.T @ (matrix @ vector)
+        vector = vector / vector.norm()
+    return float((matrix @ vector).norm())
+
+
 def tiles(rows: int, cols: int, block: int) -> list[tuple[slice, slice]]:
     """Row-major tiles of a rows x cols matrix, remainders last in each direction."""
     out = []
@@ -50,6 +60,7 @@ class ReferenceDash:
     grafting: str = "adam"
     grafting_beta2: float = 0.95
     grafting_epsilon: float = 1e-8
+    grafting_norm: str = "spectral"  # the Shampoo step takes Adam's largest singular value; or "frobenius"
     root_order: int = 2
     nesterov: bool = True
     lr_scale: float = 1.0
@@ -144,7 +155,9 @@ class ReferenceDash:
                     st["pending"] = (t + self.root_delay, left, right)
             if t >= start and st["Lr"] is not None:
                 shampoo = st["Lr"] @ m_hat @ st["Rr"]
-                if self.grafting == "adam":
+                if self.grafting == "adam" and self.grafting_norm == "spectral":
+                    shampoo = shampoo * (largest_singular_value(adam) / largest_singular_value(shampoo))
+                elif self.grafting == "adam":
                     shampoo = shampoo * (adam.norm() / shampoo.norm())
                 direction = self.lr_scale * shampoo
             else:

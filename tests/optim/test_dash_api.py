@@ -60,9 +60,10 @@ def test_per_group_learning_rate_weight_decay_and_betas():
 
 
 def test_scheduler_drives_the_step_size():
-    """With SGD grafting and no momentum each step is exactly lr * g in norm per block."""
+    """With SGD grafting in the Frobenius norm and no momentum each step is exactly lr * g in norm per block."""
     weight = torch.nn.Parameter(torch.zeros(4, 4))
-    opt = DASH([weight], lr=1.0, betas=(0.0, 0.95), grafting="sgd", block_size=4, epsilon=1e-6)
+    options = dict(grafting="sgd", grafting_norm="frobenius", block_size=4, epsilon=1e-6)
+    opt = DASH([weight], lr=1.0, betas=(0.0, 0.95), **options)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     grad = torch.randn(4, 4)
     for expected_lr in (1.0, 0.5, 0.25):

@@ -19,6 +19,10 @@ from torch import Tensor
 Scalar = float | Tensor
 
 GRAFTING_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
+#: The norms in which the Shampoo direction matches the grafting direction (see :func:`graft`).
+GRAFTING_NORMS = ("frobenius", "spectral")
+#: Power iterations of the spectral grafting norm's estimate.
+SPECTRAL_ITERATIONS = 8
 
 
 def uses_second_moment(kind: str) -> bool:
@@ -98,3 +102,39 @@ def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
     ratio = torch.where(current > 0, block_norm(reference) / current, 0.0)
     half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
     return (direction * half).mul_(half)  # the second factor in place: one allocation, as before
+
+
+def spectral_norm(blocks: Tensor, iterations: int = SPECTRAL_ITERATIONS) -> Tensor:
+    """An estimate of each block's largest singular value, shaped ``(n, 1, 1)`` (float64).
+
+    ``iterations`` steps of power iteration on ``B^T B`` from one fixed start vector, so that every
+    process computes the same value: two batched matrix-vector products a step. The estimate never
+    exceeds the largest singular value and is exact when the top singular values are equal (a
+    whitened block's are close, so few steps suffice). Each block is first divided by its Frobenius
+    norm: no overflow or underflow for float32 entries of any finite magnitude.
+    """
+    size = block_norm(blocks)
+    unit = blocks / torch.where(size > 0, size, 1.0).to(blocks.dtype)
+    # golden-angle phases: a fixed vector of mixed signs that no weight matrix's structure shares
+    start = torch.arange(1, unit.shape[-1] + 1, device=unit.device, dtype=unit.dtype).mul_(2.399963).sin_()
+    vector = start.expand(unit.shape[0], -1).unsqueeze(-1)
+    for _ in range(iterations):
+        vector = unit.mT @ (unit @ vector)
+        vector = vector / torch.linalg.vector_norm(vector, dim=1, keepdim=True).clamp_min(torch.finfo(unit.dtype).tiny)
+    estimate = torch.linalg.vector_norm(unit @ vector, dim=1, keepdim=True, dtype=torch.float64)
+    return estimate * size
+
+
+def graft_spectral(direction: Tensor, reference: Tensor) -> Tensor:
+    """Rescale each block of ``direction`` to the largest singular value of ``reference``'s block.
+
+    A whitened direction spreads its norm evenly over its singular values, where a diagonal
+    optimizer's concentrates in a few. At an equal spectral norm (the most a unit input's output can
+    move) the whitened step is the larger in Frobenius norm, by the square root of the ratio of the
+    two stable ranks. A zero ``direction`` stays zero. Both norms come from one batched estimate.
+    """
+    norms = spectral_norm(torch.cat([direction, reference.to(direction.dtype)]))
+    current, target = norms.split(direction.shape[0])
+    ratio = torch.where(current > 0, target / current, 0.0)
+    half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
+    return (direction * half).mul_(half)

@@ -25,7 +25,13 @@ from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
 from lightning_dash.optim.stacks.uploads import upload, upload_runs
 from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.factors import accumulate_factors
-from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms, uses_second_moment
+from lightning_dash.optim.step.grafting import (
+    graft_norm,
+    graft_spectral,
+    grafting_direction,
+    next_rms,
+    uses_second_moment,
+)
 from lightning_dash.optim.step.schedule import roots_due
 
 if TYPE_CHECKING:
@@ -47,6 +53,7 @@ class UpdateRules:
     matmul_precision: str = precision.FLOAT32  # of float32 matmuls, resolved (lightning_dash.optim.precision)
     root_schedule: str = "from_start"  # lightning_dash.optim.step.schedule
     decay_vectors: bool = True  # whether weight decay moves 1-D parameters too
+    grafting_norm: str = "frobenius"  # lightning_dash.optim.step.grafting.GRAFTING_NORMS
 
     @classmethod
     def of(cls, config: DashConfig) -> UpdateRules:
@@ -60,6 +67,7 @@ class UpdateRules:
             resolve_matmul_precision(config.matmul_precision),
             config.root_schedule,
             config.decay_vectors,
+            config.grafting_norm,
         )
 
     @property
@@ -320,7 +328,8 @@ def direct_blocks(
         precision.bmm(left_root, followed, rules.matmul_precision), right_root, rules.matmul_precision
     )
     if rules.grafting != "none":
-        shampoo = graft_norm(shampoo, fallback)
+        graft = graft_spectral if rules.grafting_norm == "spectral" else graft_norm
+        shampoo = graft(shampoo, fallback)
     shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo
     if isinstance(blend, Tensor) or blend != 1.0:
         shampoo = torch.lerp(fallback, shampoo, blend)

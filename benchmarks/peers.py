@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="NAME=JSON",
         help="what strategy='dash' makes of AdamW's recipe with these DASH options set (run at AdamW's best lr "
-        'only, as dash-strategy-defaults), e.g. \'eps-1e-4={"epsilon": 1e-4}\'',
+        "only, as dash-strategy-defaults), e.g. 'eps-1e-4={\"epsilon\": 1e-4}'",
     )
     parser.add_argument(
         "--muon-adamw-lr",

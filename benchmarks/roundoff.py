@@ -31,6 +31,9 @@ the model's forward and backward stay float32, reading the masters rounded to fl
 
     python benchmarks/roundoff.py --networks gru_lm --seeds 8 --optimizer-dtype float32 float64
 
+``--optimizer adamw`` or ``muon`` perturbs AdamW's own trajectory, or torch's Muon's
+(``adjust_lr_fn="match_rms_adamw"`` at twice AdamW's lr on the 2-D weights, AdamW on the rest), for scale.
+
 ``--perturbations halves`` measures what two data-parallel ranks change instead of a random
 perturbation: the perturbed run steps on the mean of the two half-batches' gradients (each rank's
 share, averaged as DDP averages them), the other on the whole batch's.
@@ -145,6 +148,37 @@ def batch_gradients(
         p.grad = (first + second) / 2
 
 
+#: The optimizers whose trajectories the benchmark can perturb: DASH converted from the network's AdamW,
+#: that AdamW itself, or torch's Muon on the 2-D weights (``adjust_lr_fn="match_rms_adamw"`` at twice
+#: AdamW's lr, the race's best) with that AdamW on the rest.
+OPTIMIZERS = ("dash", "adamw", "muon")
+
+
+def build_optimizer(kind: str, adamw: torch.optim.AdamW, model: nn.Module | None, options: dict[str, Any]) -> Any:
+    """The optimizer ``kind`` (:data:`OPTIMIZERS`) over ``adamw``'s parameters and recipe."""
+    if kind == "dash":
+        return DASH.from_optimizer(adamw, model=model, **options)
+    if kind == "adamw":
+        return adamw
+    group = adamw.param_groups[0]
+    matrices = [p for p in group["params"] if p.ndim == 2]
+    rest = [p for p in group["params"] if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, lr=2 * group["lr"], weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+    vectors = torch.optim.AdamW(rest, lr=group["lr"], betas=group["betas"], weight_decay=0.01)
+    return _Both(muon, vectors)
+
+
+class _Both:
+    """Two optimizers stepped as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
 def trajectory_change(
     network: str,
     options: dict[str, Any],
@@ -154,6 +188,7 @@ def trajectory_change(
     device: torch.device | None = None,
     optimizer_dtype: torch.dtype = torch.float32,
     perturbation: str = "relative",
+    optimizer_kind: str = "dash",
 ) -> float:
     """``||p' - p|| / ||p - p0||`` after ``steps`` steps, ``p'`` trained on perturbed gradients
     (``"relative"``: each times ``1 + size * randn``; ``"halves"``: the mean of the two
@@ -174,7 +209,7 @@ def trajectory_change(
         stepped = model if optimizer_dtype == torch.float32 else copy.deepcopy(model).to(optimizer_dtype)
         start = torch.cat([p.detach().reshape(-1).double() for p in stepped.parameters()])
         adamw = torch.optim.AdamW(stepped.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=0.01)
-        optimizer = DASH.from_optimizer(adamw, model=stepped if spec.knows_model else None, **options)
+        optimizer = build_optimizer(optimizer_kind, adamw, stepped if spec.knows_model else None, options)
         noise = torch.Generator().manual_seed(seed + 1000)
         for x, y in batches:
             batch_gradients(model, spec.loss, x, y, halves)
@@ -205,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--optimizer-dtype", nargs="+", default=["float32"], choices=["float32", "float64"], help="DASH's arithmetic"
     )
     parser.add_argument("--perturbations", nargs="+", default=["relative"], choices=PERTURBATIONS, help="what changes")
+    parser.add_argument(
+        "--optimizer", default="dash", choices=OPTIMIZERS, help="whose trajectory (adamw, muon: DASH's options unused)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", nargs="+", type=int, default=[10, 12])
     parser.add_argument("--seeds", type=int, default=3)
@@ -238,25 +276,36 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "precondition": precondition,
             "grafting_norm": norm,
         }
+        if args.optimizer != "dash":
+            options = {name: None for name in options}
         for network, steps in itertools.product(args.networks, args.steps):
             dtype = getattr(torch, optimizer_dtype)
             per_seed = [
                 trajectory_change(
-                    network, options, steps, seed, device=device, optimizer_dtype=dtype, perturbation=kind
+                    network,
+                    options,
+                    steps,
+                    seed,
+                    device=device,
+                    optimizer_dtype=dtype,
+                    perturbation=kind,
+                    optimizer_kind=args.optimizer,
                 )
                 for seed in range(args.seeds)
             ]
             records.append(
-                {**options, **stamp(device), "network": network, "steps": steps, "change": max(per_seed)}
-                | {"optimizer_dtype": optimizer_dtype, "perturbation": kind, "per_seed": per_seed}
+                {"optimizer": args.optimizer, **options, **stamp(device), "network": network, "steps": steps}
+                | {"change": max(per_seed), "optimizer_dtype": optimizer_dtype, "perturbation": kind}
+                | {"per_seed": per_seed}
             )
-    header = ["root_order", "epsilon", "frequency", "precision", "solver", "routing", "grafting norm", "optimizer"]
-    header += ["network", "steps"]
-    header += ["perturbation", "change"]
+        if args.optimizer != "dash":
+            break  # DASH's option axes do not apply
+    header = ["optimizer", "root_order", "epsilon", "frequency", "precision", "solver", "routing", "grafting norm"]
+    header += ["arithmetic", "network", "steps", "perturbation", "change"]
     rows = [
-        [str(r["root_order"]), f"{r['epsilon']:.0e}", str(r["precondition_frequency"]), r["matmul_precision"]]
-        + [r["inverse_root_method"], r["precondition"], r["grafting_norm"], r["optimizer_dtype"], r["network"]]
-        + [str(r["steps"])]
+        [r["optimizer"], str(r["root_order"]), "-" if r["epsilon"] is None else f"{r['epsilon']:.0e}"]
+        + [str(r[name]) for name in ("precondition_frequency", "matmul_precision", "inverse_root_method")]
+        + [str(r["precondition"]), str(r["grafting_norm"]), r["optimizer_dtype"], r["network"], str(r["steps"])]
         + [r["perturbation"], f"{r['change']:.1e}"]
         for r in records
     ]

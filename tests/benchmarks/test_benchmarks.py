@@ -592,3 +592,22 @@ def test_roundoff_halves_average_the_two_half_batches_gradients():
     assert 0 < change < 1e-4
     with pytest.raises(ValueError, match="perturbation must be one of"):
         roundoff.trajectory_change("parity_mlp", {}, 1, 0, perturbation="half")
+
+
+def test_roundoff_measures_the_peers_on_the_same_footing(tmp_path):
+    """``--optimizer adamw`` / ``muon`` perturb AdamW's and Muon's own trajectories: unperturbed reruns
+    land exactly where the first runs did, and the records name the optimizer and no DASH option."""
+    import roundoff
+
+    threads = torch.get_num_threads()
+    try:
+        for kind in ("adamw", "muon"):
+            assert roundoff.trajectory_change("parity_mlp", {}, 4, 0, size=0.0, optimizer_kind=kind) == 0.0
+        records = roundoff.main(
+            ["--optimizer", "adamw", "--networks", "parity_mlp", "--steps", "4", "--seeds", "1"]
+            + ["--epsilons", "1e-3", "1e-4", "--out", str(tmp_path / "roundoff.json")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    (record,) = records  # DASH's option axes do not multiply a peer's runs
+    assert record["optimizer"] == "adamw" and record["epsilon"] is None and 0 < record["change"] < 1e-4

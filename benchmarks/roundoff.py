@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     device = torch.device(args.device)
     records = []
-    candidates = itertools.product(
+    dash_axes = [
         args.orders,
         args.epsilons,
         args.frequencies,
@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.methods,
         args.preconditions,
         args.grafting_norms,
-        args.optimizer_dtype,
-        args.perturbations,
-    )
+    ]
+    if args.optimizer != "dash":  # DASH's option axes do not apply to a peer
+        dash_axes = [[None]] * len(dash_axes)
+    candidates = itertools.product(*dash_axes, args.optimizer_dtype, args.perturbations)
     for order, epsilon, frequency, matmul_precision, method, precondition, norm, optimizer_dtype, kind in candidates:
         options = {
             "root_order": order,
@@ -276,8 +277,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "precondition": precondition,
             "grafting_norm": norm,
         }
-        if args.optimizer != "dash":
-            options = {name: None for name in options}
         for network, steps in itertools.product(args.networks, args.steps):
             dtype = getattr(torch, optimizer_dtype)
             per_seed = [
@@ -298,8 +297,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 | {"change": max(per_seed), "optimizer_dtype": optimizer_dtype, "perturbation": kind}
                 | {"per_seed": per_seed}
             )
-        if args.optimizer != "dash":
-            break  # DASH's option axes do not apply
     header = ["optimizer", "root_order", "epsilon", "frequency", "precision", "solver", "routing", "grafting norm"]
     header += ["arithmetic", "network", "steps", "perturbation", "change"]
     rows = [

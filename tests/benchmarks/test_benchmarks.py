@@ -605,9 +605,12 @@ def test_roundoff_measures_the_peers_on_the_same_footing(tmp_path):
             assert roundoff.trajectory_change("parity_mlp", {}, 4, 0, size=0.0, optimizer_kind=kind) == 0.0
         records = roundoff.main(
             ["--optimizer", "adamw", "--networks", "parity_mlp", "--steps", "4", "--seeds", "1"]
-            + ["--epsilons", "1e-3", "1e-4", "--out", str(tmp_path / "roundoff.json")]
+            + ["--epsilons", "1e-3", "1e-4", "--perturbations", "relative", "halves"]
+            + ["--out", str(tmp_path / "roundoff.json")]
         )
     finally:
         torch.set_num_threads(threads)
-    (record,) = records  # DASH's option axes do not multiply a peer's runs
-    assert record["optimizer"] == "adamw" and record["epsilon"] is None and 0 < record["change"] < 1e-4
+    # One run per perturbation: DASH's option axes do not multiply a peer's runs.
+    assert [r["perturbation"] for r in records] == ["relative", "halves"]
+    for record in records:
+        assert record["optimizer"] == "adamw" and record["epsilon"] is None and 0 < record["change"] < 1e-4

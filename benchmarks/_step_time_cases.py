@@ -59,6 +59,8 @@ MODELS: dict[str, GPTShape | MatrixSet] = {
     "gpt2-350m": GPTShape(width=1024, layers=24, vocab=50257, context=1024),
     "gpt2-774m": GPTShape(width=1280, layers=36, vocab=50257, context=1024),
     "gpt-1b": GPTShape(width=2048, layers=18, vocab=50257, context=1024),
+    # 12.6M parameters: an 8192 x 256 embedding and six 256-wide layers, a new user's first GPT
+    "gpt-8k-vocab": GPTShape(width=256, layers=6, vocab=8192, context=256),
     # 71k parameters: for smoke runs and tests (compare_revisions.py), not a result
     "gpt-tiny": GPTShape(width=64, layers=1, vocab=256, context=64),
     # 8.4M parameters: 16 factors of 1024 x 1024, the peers suite's matrix-only case
@@ -344,7 +346,7 @@ def peer_case(
 def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
     """Per model, block size and frequency: DASH (eigh), DASH with its default solver, eager and
     compiled, and meta_shampoo."""
-    with_meta = _meta_shampoo.available()
+    with_meta = _meta_shampoo.available() and not args.no_third_party
     cases = []
     for model in args.models:
         for block_size in args.block_sizes:
@@ -353,8 +355,9 @@ def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
                 cases += [
                     dash_peer_case(model, frequency, settings.solver, settings),
                     dash_peer_case(model, frequency, None, settings),
-                    dash_peer_case(model, frequency, None, settings, compiled=True),
                 ]
+                if not args.no_compile:
+                    cases.append(dash_peer_case(model, frequency, None, settings, compiled=True))
                 if with_meta:
                     cases.append(meta_shampoo_case(model, frequency, settings))
     if with_meta:

@@ -73,7 +73,8 @@ DEFAULT_STEP_TIME_ARGS = (
 #: What this script sets itself: one round per process, the package's optimizers only.
 FIXED_STEP_TIME_ARGS = ["--rounds", "1", "--no-loop", "--no-third-party"]
 SIDES = ("before", "after")
-CASE_FIELDS = ("optimizer", "solver", "dtype", "block_size")
+#: What names a case: the solvers suite's records have a dtype, the peers suite's a root frequency.
+CASE_FIELDS = ("optimizer", "solver", "dtype", "block_size", "frequency")
 
 
 # ---------------------------------------------------------------------- revisions
@@ -150,12 +151,14 @@ def run_step_time(root: Path, step_time_args: list[str], out_dir: Path) -> dict:
 
 
 def case_key(record: dict) -> tuple:
-    return tuple(record[name] for name in CASE_FIELDS)
+    return tuple(record.get(name) for name in CASE_FIELDS)
 
 
 def case_label(key: tuple) -> str:
-    optimizer, solver, dtype, block_size = key
-    return " ".join(str(p) for p in (optimizer, solver, dtype, None if block_size is None else f"b{block_size}") if p)
+    optimizer, solver, dtype, block_size, frequency = key
+    block = None if block_size is None else f"b{block_size}"
+    period = None if frequency is None else f"f{frequency}"
+    return " ".join(str(p) for p in (optimizer, solver, dtype, block, period) if p)
 
 
 # ---------------------------------------------------------------------- summary

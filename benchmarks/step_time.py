@@ -164,7 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds in which shampoo_loop is timed (default: every round on CPU, 1 on GPU)",
     )
     parser.add_argument("--no-loop", action="store_true", help="leave out the shampoo_loop baseline")
-    parser.add_argument("--no-third-party", action="store_true", help="leave out heavyball and pytorch_optimizer")
+    parser.add_argument(
+        "--no-third-party",
+        action="store_true",
+        help="leave out heavyball and pytorch_optimizer (peers suite: Meta's Shampoo)",
+    )
+    parser.add_argument("--no-compile", action="store_true", help="peers suite: leave out compiled DASH")
     args = parser.parse_args(argv)
     on_gpu = resolve_device(args.device).type == "cuda"
     peers = args.suite == "peers"

@@ -107,22 +107,27 @@ def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
 def spectral_norm(blocks: Tensor, iterations: int = SPECTRAL_ITERATIONS) -> Tensor:
     """An estimate of each block's largest singular value, shaped ``(n, 1, 1)`` (float64).
 
-    ``iterations`` steps of power iteration on ``B^T B`` from one fixed start vector, so that every
-    process computes the same value: two batched matrix-vector products a step. The estimate never
-    exceeds the largest singular value and is exact when the top singular values are equal (a
-    whitened block's are close, so few steps suffice). Each block is first divided by its Frobenius
-    norm: no overflow or underflow for float32 entries of any finite magnitude.
+    ``iterations`` steps of power iteration on ``B^T B`` from one fixed start vector ``v``, so that
+    every process computes the same value, then ``||B v||``: never above the largest singular value,
+    and exact when the top singular values are equal. The products are multiply-and-sum reductions
+    (several times faster than a batched matmul with one column on a CPU) and both vectors are
+    normalised after each product, their norms taken in float64: no overflow or underflow for float32
+    entries of any finite magnitude, and no pass that copies the blocks.
     """
-    size = block_norm(blocks)
-    unit = blocks / torch.where(size > 0, size, 1.0).to(blocks.dtype)
     # golden-angle phases: a fixed vector of mixed signs that no weight matrix's structure shares
-    start = torch.arange(1, unit.shape[-1] + 1, device=unit.device, dtype=unit.dtype).mul_(2.399963).sin_()
-    vector = start.expand(unit.shape[0], -1).unsqueeze(-1)
+    start = torch.arange(1, blocks.shape[-1] + 1, device=blocks.device, dtype=blocks.dtype).mul_(2.399963).sin_()
+    right = start.expand(blocks.shape[0], -1)
     for _ in range(iterations):
-        vector = unit.mT @ (unit @ vector)
-        vector = vector / torch.linalg.vector_norm(vector, dim=1, keepdim=True).clamp_min(torch.finfo(unit.dtype).tiny)
-    estimate = torch.linalg.vector_norm(unit @ vector, dim=1, keepdim=True, dtype=torch.float64)
-    return estimate * size
+        left = _unit(torch.linalg.vecdot(blocks, right.unsqueeze(1), dim=-1))  # B v: (n, rows)
+        right = _unit(torch.linalg.vecdot(blocks, left.unsqueeze(2), dim=-2))  # B^T B v: (n, cols)
+    image = torch.linalg.vecdot(blocks, right.unsqueeze(1), dim=-1)
+    return torch.linalg.vector_norm(image, dim=1, dtype=torch.float64).view(-1, 1, 1)
+
+
+def _unit(vectors: Tensor) -> Tensor:
+    """Each row divided by its norm (taken in float64); a zero row stays zero."""
+    norm = torch.linalg.vector_norm(vectors, dim=1, keepdim=True, dtype=torch.float64)
+    return (vectors / torch.where(norm > 0, norm, 1.0)).to(vectors.dtype)
 
 
 def graft_spectral(direction: Tensor, reference: Tensor) -> Tensor:
@@ -131,10 +136,9 @@ def graft_spectral(direction: Tensor, reference: Tensor) -> Tensor:
     A whitened direction spreads its norm evenly over its singular values, where a diagonal
     optimizer's concentrates in a few. At an equal spectral norm (the most a unit input's output can
     move) the whitened step is the larger in Frobenius norm, by the square root of the ratio of the
-    two stable ranks. A zero ``direction`` stays zero. Both norms come from one batched estimate.
+    two stable ranks. A zero ``direction`` stays zero.
     """
-    norms = spectral_norm(torch.cat([direction, reference.to(direction.dtype)]))
-    current, target = norms.split(direction.shape[0])
-    ratio = torch.where(current > 0, target / current, 0.0)
+    current = spectral_norm(direction)
+    ratio = torch.where(current > 0, spectral_norm(reference.to(direction.dtype)) / current, 0.0)
     half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
     return (direction * half).mul_(half)

@@ -36,9 +36,16 @@ if TYPE_CHECKING:
 LAYOUT_OPTIONS = ("block_size", "inverse_root_method")
 #: Optimizer-wide options that shape the step, carried under ``"dash"`` (since version 0.5): a resumed
 #: run whose optimizer has other values is told which, and what to pass to keep the checkpoint's.
-NUMERICS_OPTIONS = ("root_order", "nesterov", "lr_scale")
+NUMERICS_OPTIONS = ("root_order", "nesterov", "lr_scale", "grafting_norm")
+#: What a checkpoint written before an option was recorded trained with (version 0.5 saved no grafting_norm).
+UNRECORDED_NUMERICS = {"grafting_norm": "frobenius"}
 #: What version 0.4 used for them (``lr_scale`` 8 for optimizers converted from Adam or AdamW).
-VERSION_04_NUMERICS = {"root_order": 2, "nesterov": True, "lr_scale": "8.0 if converted from Adam/AdamW, else 1.0"}
+VERSION_04_NUMERICS = {
+    "root_order": 2,
+    "nesterov": True,
+    "lr_scale": "8.0 if converted from Adam/AdamW, else 1.0",
+    "grafting_norm": "'frobenius'",
+}
 
 
 def warn_on_changed_numerics(extra: dict[str, Any], current: dict[str, Any]) -> None:
@@ -46,8 +53,8 @@ def warn_on_changed_numerics(extra: dict[str, Any], current: dict[str, Any]) -> 
     version 0.4 or older records none of them), naming the values that reproduce its training."""
     if not extra:  # torch.distributed.checkpoint keeps no "dash" entry: nothing to compare with
         return
-    saved = {name: extra[name] for name in NUMERICS_OPTIONS if name in extra}
-    if not saved:
+    recorded = {name: extra[name] for name in NUMERICS_OPTIONS if name in extra}
+    if not recorded:
         keep = ", ".join(f"{name}={value}" for name, value in VERSION_04_NUMERICS.items())
         warnings.warn(
             "DASH.load_state_dict: this checkpoint was written by lightning-dash 0.4 or older and does not "
@@ -57,6 +64,7 @@ def warn_on_changed_numerics(extra: dict[str, Any], current: dict[str, Any]) -> 
             stacklevel=4,
         )
         return
+    saved = {**UNRECORDED_NUMERICS, **recorded}
     changed = {name: value for name, value in saved.items() if current[name] != value}
     if changed:
         warnings.warn(

@@ -205,13 +205,31 @@ def test_a_checkpoint_records_its_step_shaping_options_and_a_resume_with_others_
     assert other.root_order == 2 and other.lr_scale == 1.0  # this optimizer's options stay
 
 
+def test_a_resume_after_the_grafting_norm_changed_says_so_also_for_a_version_05_checkpoint():
+    """A checkpoint records its grafting norm; one from 0.5, which recorded none, trained with Frobenius
+    grafting, and a resume under the spectral default says so."""
+    model = make_model()
+    opt = DASH(model.parameters(), **OPTIONS, grafting_norm="frobenius")
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    assert saved["dash"]["grafting_norm"] == "frobenius"
+    for checkpoint in (saved, {**saved, "dash": {k: v for k, v in saved["dash"].items() if k != "grafting_norm"}}):
+        fresh = DASH(model.parameters(), **OPTIONS)
+        with pytest.warns(UserWarning, match=r"trained with grafting_norm='frobenius'; .* grafting_norm='spectral'"):
+            fresh.load_state_dict(checkpoint)
+        kept = DASH(model.parameters(), **OPTIONS, grafting_norm="frobenius")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kept.load_state_dict(checkpoint)
+
+
 def test_a_version_04_checkpoint_names_the_options_that_keep_its_training():
     """0.4 wrote no root_order, nesterov or lr_scale (its conversions used lr_scale 8): a resume says so."""
     model = make_model()
     opt = DASH(model.parameters(), **OPTIONS)
     train(model, opt, 2)
     saved = opt.state_dict()
-    for name in ("root_order", "nesterov", "lr_scale"):
+    for name in ("root_order", "nesterov", "lr_scale", "grafting_norm"):
         del saved["dash"][name]
     fresh = DASH(model.parameters(), **OPTIONS)
     with pytest.warns(UserWarning, match=r"0\.4 or older.*lr_scale=8\.0 if converted from Adam/AdamW"):

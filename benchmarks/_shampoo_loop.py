@@ -27,7 +27,7 @@ from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
 from lightning_dash.optim.roots import inverse_root
 from lightning_dash.optim.stacks.blocks import matrix_shape
 from lightning_dash.optim.step.factors import accumulate_factors
-from lightning_dash.optim.step.grafting import graft_norm, grafting_direction, next_rms
+from lightning_dash.optim.step.grafting import graft_norm, graft_spectral, grafting_direction, next_rms
 from lightning_dash.optim.step.update import UpdateRules, momentum_terms, next_momentum
 
 #: The options of :class:`ShampooLoop` that fix how its roots are computed (DashConfig's names).
@@ -111,6 +111,7 @@ class ShampooLoop(torch.optim.Optimizer):
         relative_epsilon: bool = True,
         root_order: int = 2,
         nesterov: bool = True,
+        grafting_norm: str = "spectral",
     ) -> None:
         options = dict(locals())
         defaults = {"lr": lr, "betas": betas, "epsilon": epsilon, "weight_decay": weight_decay}
@@ -121,6 +122,7 @@ class ShampooLoop(torch.optim.Optimizer):
         self.grafting_beta2 = grafting_beta2
         self.grafting_epsilon = grafting_epsilon
         self.rules = UpdateRules("adam", nesterov, bias_correction=True)
+        self.graft = graft_spectral if grafting_norm == "spectral" else graft_norm
         # the solver options become RootSettings the way DASH's own configuration makes them
         self.root_settings = DashConfig.build(**{name: options[name] for name in ROOT_OPTIONS}).root_settings
 
@@ -204,7 +206,7 @@ class ShampooLoop(torch.optim.Optimizer):
             direction = self._adam_direction(momentum, block.second_moment, step)
             if step >= self.start_preconditioning_step:
                 shampoo = block.left_root @ momentum @ block.right_root
-                grafted = graft_norm(shampoo.unsqueeze(0), direction.unsqueeze(0))[0]
+                grafted = self.graft(shampoo.unsqueeze(0), direction.unsqueeze(0))[0]
                 direction = torch.where(block.root_valid, grafted, direction)
             matrix[block.rows, block.cols].add_(direction, alpha=-group["lr"])
 

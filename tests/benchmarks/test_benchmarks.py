@@ -231,6 +231,7 @@ def test_meta_shampoo_matches_dash_on_matrices():
         relative_epsilon=False,
         root_order=4,
         nesterov=False,
+        grafting_norm="frobenius",  # Meta grafts Adam's Frobenius norm
     )
     meta = _meta_shampoo.build_meta_shampoo(theirs, **shared, **grafting, epsilon=1e-6)
     for step_grads in gradients:

@@ -120,6 +120,9 @@ def _check_script(words: list[str]) -> str:
         raise AssertionError(f"no such script in the repository: {script!r}")
     source = _source_with_siblings(ROOT / script)
     for word in words[words.index(script) + 1 :]:
+        if word == "--":  # what follows is passed through to another script of the same folder
+            source = "".join(path.read_text() for path in sorted((ROOT / script).parent.glob("*.py")))
+            continue
         flag = word.split("=", 1)[0]
         if flag.startswith("--") and f'"{flag}"' not in source:
             raise AssertionError(f"{script} has no option {flag}")

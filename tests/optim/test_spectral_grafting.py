@@ -110,7 +110,8 @@ def test_spectral_grafting_takes_larger_steps_than_frobenius_on_a_low_rank_adam_
     assert steps["spectral"] > 1.5 * steps["frobenius"]
 
 
-def test_a_wrong_grafting_norm_is_refused_by_name():
+@pytest.mark.parametrize("value", ["operator", "Spectral", "", 0, -1, 2.5, True, None])
+def test_a_wrong_grafting_norm_is_refused_by_name(value):
     weight = torch.nn.Parameter(torch.zeros(3, 3))
-    with pytest.raises(ValueError, match="grafting_norm"):
-        DASH([weight], grafting_norm="operator")
+    with pytest.raises(ValueError, match=r"grafting_norm must be one of \('frobenius', 'spectral'\)"):
+        DASH([weight], grafting_norm=value)

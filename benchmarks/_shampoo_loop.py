@@ -27,7 +27,7 @@ from lightning_dash.optim.config import DEFAULT_EPSILON, DashConfig
 from lightning_dash.optim.roots import inverse_root
 from lightning_dash.optim.stacks.blocks import matrix_shape
 from lightning_dash.optim.step.factors import accumulate_factors
-from lightning_dash.optim.step.grafting import graft_norm, graft_spectral, grafting_direction, next_rms
+from lightning_dash.optim.step.grafting import GRAFTS, grafting_direction, next_rms
 from lightning_dash.optim.step.update import UpdateRules, momentum_terms, next_momentum
 
 #: The options of :class:`ShampooLoop` that fix how its roots are computed (DashConfig's names).
@@ -122,7 +122,7 @@ class ShampooLoop(torch.optim.Optimizer):
         self.grafting_beta2 = grafting_beta2
         self.grafting_epsilon = grafting_epsilon
         self.rules = UpdateRules("adam", nesterov, bias_correction=True)
-        self.graft = graft_spectral if grafting_norm == "spectral" else graft_norm
+        self.graft = GRAFTS[grafting_norm]
         # the solver options become RootSettings the way DASH's own configuration makes them
         self.root_settings = DashConfig.build(**{name: options[name] for name in ROOT_OPTIONS}).root_settings
 

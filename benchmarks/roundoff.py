@@ -57,6 +57,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _peers_contenders import MuonWithAdamW  # noqa: E402
 from _stamp import stamp  # noqa: E402
 from common import RESULTS_DIR, format_columns, write_json  # noqa: E402
 from family_models import ByteGRU, english_bytes  # noqa: E402
@@ -164,19 +165,7 @@ def build_optimizer(kind: str, adamw: torch.optim.AdamW, model: nn.Module | None
     matrices = [p for p in group["params"] if p.ndim == 2]
     rest = [p for p in group["params"] if p.ndim != 2]
     muon = torch.optim.Muon(matrices, lr=2 * group["lr"], weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
-    vectors = torch.optim.AdamW(rest, lr=group["lr"], betas=group["betas"], weight_decay=0.01)
-    return _Both(muon, vectors)
-
-
-class _Both:
-    """Two optimizers stepped as one."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
+    return MuonWithAdamW(muon, torch.optim.AdamW(rest, lr=group["lr"], betas=group["betas"], weight_decay=0.01))
 
 
 def trajectory_change(

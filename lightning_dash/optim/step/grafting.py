@@ -19,7 +19,7 @@ from torch import Tensor
 Scalar = float | Tensor
 
 GRAFTING_TYPES = ("adam", "adagrad", "rmsprop", "sgd", "none")
-#: The norms in which the Shampoo direction matches the grafting direction (see :func:`graft`).
+#: The norms in which the Shampoo direction matches the grafting direction (:data:`GRAFTS`).
 GRAFTING_NORMS = ("frobenius", "spectral")
 #: Power iterations of the spectral grafting norm's estimate.
 SPECTRAL_ITERATIONS = 8
@@ -98,8 +98,13 @@ def graft_norm(direction: Tensor, reference: Tensor) -> Tensor:
     ratio itself (1e-52 there) would underflow the direction's dtype, while its square root
     stays in range wherever both norms are.
     """
-    current = block_norm(direction)
-    ratio = torch.where(current > 0, block_norm(reference) / current, 0.0)
+    return _rescale(direction, block_norm(direction), block_norm(reference))
+
+
+def _rescale(direction: Tensor, current: Tensor, target: Tensor) -> Tensor:
+    """``direction`` times ``target / current`` per block (0 where ``current`` is 0), the ratio
+    applied as its square root twice (see :func:`graft_norm`)."""
+    ratio = torch.where(current > 0, target / current, 0.0)
     half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
     return (direction * half).mul_(half)  # the second factor in place: one allocation, as before
 
@@ -138,7 +143,8 @@ def graft_spectral(direction: Tensor, reference: Tensor) -> Tensor:
     move) the whitened step is the larger in Frobenius norm, by the square root of the ratio of the
     two stable ranks. A zero ``direction`` stays zero.
     """
-    current = spectral_norm(direction)
-    ratio = torch.where(current > 0, spectral_norm(reference.to(direction.dtype)) / current, 0.0)
-    half = ratio.sqrt().clamp_max(torch.finfo(direction.dtype).max).to(direction.dtype)
-    return (direction * half).mul_(half)
+    return _rescale(direction, spectral_norm(direction), spectral_norm(reference.to(direction.dtype)))
+
+
+#: The grafting rule of each :data:`GRAFTING_NORMS` entry.
+GRAFTS = {"frobenius": graft_norm, "spectral": graft_spectral}

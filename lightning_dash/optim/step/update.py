@@ -25,13 +25,7 @@ from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
 from lightning_dash.optim.stacks.uploads import upload, upload_runs
 from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.factors import accumulate_factors
-from lightning_dash.optim.step.grafting import (
-    graft_norm,
-    graft_spectral,
-    grafting_direction,
-    next_rms,
-    uses_second_moment,
-)
+from lightning_dash.optim.step.grafting import GRAFTS, grafting_direction, next_rms, uses_second_moment
 from lightning_dash.optim.step.schedule import roots_due
 
 if TYPE_CHECKING:
@@ -328,8 +322,7 @@ def direct_blocks(
         precision.bmm(left_root, followed, rules.matmul_precision), right_root, rules.matmul_precision
     )
     if rules.grafting != "none":
-        graft = graft_spectral if rules.grafting_norm == "spectral" else graft_norm
-        shampoo = graft(shampoo, fallback)
+        shampoo = GRAFTS[rules.grafting_norm](shampoo, fallback)
     shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo
     if isinstance(blend, Tensor) or blend != 1.0:
         shampoo = torch.lerp(fallback, shampoo, blend)

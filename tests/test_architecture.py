@@ -56,6 +56,72 @@ def test_distributed_imports_no_trainer(path):
     assert not forbidden, f"{path.name} imports {forbidden}"
 
 
+def package_module_name(path: Path) -> str:
+    """``lightning_dash/optim/stacks/__init__.py`` -> ``lightning_dash.optim.stacks``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth (lazy and type-checking imports
+    included): ``from package import name`` counts as the submodule ``package.name`` when one exists."""
+    modules = {package_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    targets.add(submodule if submodule in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = lowest[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                lowest[module] = min(lowest[module], lowest[target])
+            elif target in stack:
+                lowest[module] = min(lowest[module], index[target])
+        if lowest[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_import_circles_are_found():
+    """The search itself, on a graph with one circle of three and a module outside it."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_the_package():
+    """No two modules of the package import each other, directly or through others, not even for
+    type checking: each module can be read, and tested, before the ones that use it."""
+    assert import_circles(package_import_graph()) == []
+
+
 #: What the data-parallel runtimes may use of the optimizer: its package, the distributor protocol,
 #: the stacks' public API and the shared argument checks; never the step's or the solvers' internals.
 OPTIM_PUBLIC_SURFACE = (

@@ -63,6 +63,8 @@ MODULE = "distributed_shampoo"
 META_EPSILON = 1e-12
 #: Meta's default inverse root of a matrix's factors: ``L^(-1/4) G R^(-1/4)``.
 META_ROOT_ORDER = 4
+#: How Meta's eigenvalue-corrected Shampoo finds the factors' eigenvectors: its two presets.
+EIGENBASIS_SOLVERS = ("eigh", "qr")
 
 
 def available() -> bool:
@@ -144,5 +146,52 @@ def build_meta_shampoo(
         precondition_frequency=precondition_frequency,
         start_preconditioning_step=start_preconditioning_step(precondition_frequency),
         grafting_config=AdamPreconditionerConfig(beta2=grafting_beta2, epsilon=grafting_epsilon),
+        preconditioner_config=preconditioner,
+    )
+
+
+def build_meta_eigenvalue_corrected(
+    params: Iterable[Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    block_size: int,
+    precondition_frequency: int,
+    eigenbasis: str,
+    epsilon: float = META_EPSILON,
+) -> torch.optim.Optimizer:
+    """Meta's eigenvalue-corrected Shampoo on ``params``, as its README's "replace AdamW" example
+    builds it: Adam's second moment kept in the eigenbasis of each block's Kronecker factors,
+    the eigenvectors recomputed every ``precondition_frequency`` steps, the eigenvalues every
+    step, and no grafting (AdamW's lr, betas and weight decay carry over).
+
+    ``eigenbasis``: ``"eigh"`` (``DefaultEigenvalueCorrectedShampooConfig``, a full decomposition)
+    or ``"qr"`` (``DefaultSOAPConfig``, warm-started QR iterations). Vectors change no basis
+    (``ignored_basis_change_dims={1: [0]}``): they follow Adam, as DASH's vectors do.
+    """
+    from distributed_shampoo import (
+        DistributedShampoo,
+        EigenvalueCorrectedShampooPreconditionerConfig,
+        EighEigendecompositionConfig,
+        QREigendecompositionConfig,
+        WeightDecayType,
+    )
+
+    if eigenbasis not in EIGENBASIS_SOLVERS:
+        raise ValueError(f"eigenbasis must be one of {EIGENBASIS_SOLVERS}, got {eigenbasis!r}")
+    solver = QREigendecompositionConfig() if eigenbasis == "qr" else EighEigendecompositionConfig()
+    preconditioner = EigenvalueCorrectedShampooPreconditionerConfig(
+        amortized_computation_config=solver, ignored_basis_change_dims={1: [0]}
+    )
+    return DistributedShampoo(
+        params,
+        lr=lr,
+        betas=betas,
+        epsilon=epsilon,
+        weight_decay=0.0,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=block_size,
+        precondition_frequency=precondition_frequency,
+        start_preconditioning_step=start_preconditioning_step(precondition_frequency),
         preconditioner_config=preconditioner,
     )

@@ -65,7 +65,8 @@ class Contender:
     """One optimizer of the race: how to build it, its lr grid, what it needs installed."""
 
     name: str
-    #: adamw, muon, soap, psgd, meta, dash, converted (AdamW turned into DASH by from_optimizer), strategy
+    #: adamw, muon, soap, psgd, meta, meta-ec (its eigenvalue-corrected Shampoo), dash, converted (AdamW turned
+    #: into DASH by from_optimizer), strategy
     #: (the same with the model, every DASH option at its default: what ``strategy="dash"`` makes of it)
     family: str
     lrs: tuple[float, ...]
@@ -92,6 +93,17 @@ CONTENDERS: dict[str, Contender] = {
     "meta-shampoo-dash-recipe": Contender(
         "meta-shampoo-dash-recipe", "meta", META_DASH_RECIPE_LRS, asdict(DASH_RECIPE), _meta_shampoo.MODULE
     ),
+    # Meta's eigenvalue-corrected Shampoo from AdamW's recipe (no grafting), over AdamW's grid
+    **{
+        name: Contender(
+            name,
+            "meta-ec",
+            ADAMW_LRS,
+            {"eigenbasis": eigenbasis, "precondition_frequency": META_FREQUENCY},
+            _meta_shampoo.MODULE,
+        )
+        for name, eigenbasis in (("meta-ec-shampoo", "eigh"), ("meta-soap", "qr"))
+    },
     **{name: Contender(name, "dash", DASH_LRS, options) for name, options in DASH_VARIANTS.items()},
     "dash-from-adamw": Contender("dash-from-adamw", "converted", ADAMW_LRS),
     "dash-strategy-defaults": Contender("dash-strategy-defaults", "strategy", ADAMW_LRS),
@@ -177,6 +189,13 @@ def build(contender: Contender, model: nn.Module, lr: float, muon_adamw_lr: floa
         for group in optimizer.param_groups:  # the builder's 0 is the step-time benchmark's choice
             group["weight_decay"] = WEIGHT_DECAY
         return optimizer
+    if family == "meta-ec":
+        optimizer = _meta_shampoo.build_meta_eigenvalue_corrected(
+            model.parameters(), lr=lr, betas=BETAS, block_size=DASH_BLOCK_SIZE, **contender.options
+        )
+        for group in optimizer.param_groups:  # decoupled, as AdamW's
+            group["weight_decay"] = WEIGHT_DECAY
+        return optimizer
     if family == "converted":  # AdamW's recipe, lr included, handed to DASH as a trainer's conversion does
         adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         return DASH.from_optimizer(adamw, block_size=DASH_BLOCK_SIZE, **contender.options)
@@ -224,6 +243,8 @@ def optimizer_options(
     options: dict[str, Any] = {"lr": lr, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
     if contender.family == "muon":
         options["adamw_lr"] = muon_adamw_lr
+    if contender.family in ("meta", "meta-ec"):
+        options.update(block_size=DASH_BLOCK_SIZE, epsilon=optimizer.param_groups[0]["epsilon"])
     if contender.family == "meta":
         # As the optimizer resolved them: the exponent on each factor of a matrix and beta3.
         group = optimizer.param_groups[0]

@@ -42,6 +42,11 @@ decoupled weight decay 0.01 wherever an optimizer takes them):
   accepts; DASH starts at step 1) and DASH's Nesterov direction (``beta3 = beta1**2``; see
   ``_meta_shampoo``), on a grid around DASH's best lr. Records state the recipe and the
   ``beta3`` and exponents read back from the built optimizer.
+* ``meta-ec-shampoo`` and ``meta-soap``: Meta's eigenvalue-corrected Shampoo as its README's
+  "replace AdamW" example builds it (``_meta_shampoo.build_meta_eigenvalue_corrected``): Adam's
+  second moment in the eigenbasis of the Kronecker factors, no grafting, epsilon 1e-12, the
+  eigenbasis every 10 steps by ``eigh`` (``DefaultEigenvalueCorrectedShampooConfig``) or by
+  warm-started QR (``DefaultSOAPConfig``), vectors on Adam, AdamW's weight decay; on AdamW's grid.
 * DASH variants, each a name and its options (:data:`DASH_VARIANTS`): DASH's defaults (inverse
   square roots, Nesterov momentum, roots every 2 steps, Adam grafting) with ``block_size=256`` and
   ``inverse_root_method`` ``eigh`` or ``newton_db``; the ``-hidden`` variants add

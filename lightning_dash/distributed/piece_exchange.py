@@ -220,30 +220,22 @@ class PieceExchange:
         """Elements of this rank's flat holder tensor."""
         return sum(numel for _, numel in self.held.values())
 
-    @staticmethod
-    def _sizes(lists: list[list[Piece]]) -> list[int]:
-        return [sum(piece.numel for piece in pieces) for pieces in lists]
-
     @cached_property
-    def gradients_out_sizes(self) -> list[int]:
-        return self._sizes(self.gradients_out)
-
-    @cached_property
-    def gradients_in_sizes(self) -> list[int]:
-        return self._sizes(self.gradients_in)
-
-    @cached_property
-    def updates_out_sizes(self) -> list[int]:
-        return self._sizes(self.updates_out)
-
-    @cached_property
-    def updates_in_sizes(self) -> list[int]:
-        return self._sizes(self.updates_in)
+    def split_sizes(self) -> dict[str, list[int]]:
+        """Elements per rank of each exchange's piece lists (the ``all_to_all`` split sizes), by the
+        lists' names: ``gradients_out``, ``gradients_in``, ``updates_out`` and ``updates_in``."""
+        lists = {
+            "gradients_out": self.gradients_out,
+            "gradients_in": self.gradients_in,
+            "updates_out": self.updates_out,
+            "updates_in": self.updates_in,
+        }
+        return {name: [sum(piece.numel for piece in pieces) for pieces in per_rank] for name, per_rank in lists.items()}
 
     def elements_sent(self) -> int:
         """Elements this rank sends to other ranks in one step: its gradient pieces of
         their blocks, then the update pieces of its blocks that they hold."""
-        out, back = self.gradients_out_sizes, self.updates_out_sizes
+        out, back = self.split_sizes["gradients_out"], self.split_sizes["updates_out"]
         return sum(out) - out[self.rank] + sum(back) - back[self.rank]
 
 

@@ -279,7 +279,9 @@ class ShardedDistributor(ProcessGroupDistributor):
 
     def _send_gradients(self, group: _RankExchange, flat_grads: Tensor) -> _Pending:
         send = flat_grads.index_select(0, group.gradient_send.positions())
-        return self._start_all_to_all(send, group.pieces.gradients_out_sizes, group.pieces.gradients_in_sizes)
+        return self._start_all_to_all(
+            send, group.pieces.split_sizes["gradients_out"], group.pieces.split_sizes["gradients_in"]
+        )
 
     def _gradient_stacks(self, group: _RankExchange, received: Tensor, params: list[Tensor]) -> list[Tensor]:
         receive = group.gradient_receive
@@ -306,7 +308,9 @@ class ShardedDistributor(ProcessGroupDistributor):
         sizes = [plan.num_blocks * plan.block_shape[0] * plan.block_shape[1] for plan in group.plans]
         stacks = _end_to_end([full.get(stack) for stack in range(len(group.plans))], sizes, wire, device)
         send = stacks.index_select(0, group.update_send.positions())
-        return self._start_all_to_all(send, group.pieces.updates_out_sizes, group.pieces.updates_in_sizes)
+        return self._start_all_to_all(
+            send, group.pieces.split_sizes["updates_out"], group.pieces.split_sizes["updates_in"]
+        )
 
     def reduce_max(self, values: Tensor) -> Tensor:
         reduced = values.to(self._device(), copy=True)

@@ -19,7 +19,6 @@ from lightning_dash.integration.checkpoint_files import complete_checkpoint, is_
 from lightning_dash.integration.namespaces import register_each
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
-from lightning_dash.integration.trainer_options import check_data_parallel_options
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -72,9 +71,7 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
         self,
         **kwargs: Any,
     ) -> None:
-        conversion = ConversionOptions.from_init(kwargs)
-        conversion.check_sharding(sharded_parameters=False)
-        check_data_parallel_options(kwargs, type(self), DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
+        conversion = ConversionOptions.for_data_parallel(kwargs, type(self), DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
         super().__init__(**kwargs)
         #: How the user's optimizers become DASH: the resolved overrides and conversion options.
         self.conversion = conversion

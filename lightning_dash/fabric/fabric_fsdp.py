@@ -36,12 +36,12 @@ from lightning_dash.integration.checkpoint_files import (
     staged_write,
 )
 from lightning_dash.integration.fsdp_sharding import (
-    check_data_parallel_sharding,
     check_mesh_sizes,
     check_shard_modules,
     is_sharded,
     setup_sharded_environment,
     shard_model,
+    shard_over_data_parallel,
 )
 from lightning_dash.integration.namespaces import FSDP_LAUNCHERS, register_each
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
@@ -78,9 +78,7 @@ class ParallelizeForDash:
         if self.parallelize_fn is not None:
             module = self.parallelize_fn(module, device_mesh)
         if isinstance(module, Module):
-            check_data_parallel_sharding(module, device_mesh)
-        if isinstance(module, Module) and not is_sharded(module):
-            shard_model(module, device_mesh["data_parallel"], self.shard_modules)
+            shard_over_data_parallel(module, device_mesh, self.shard_modules, shard_model)
         return module
 
 
@@ -119,17 +117,11 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         parallelize_fn: shards (or otherwise parallelises) the model, given it and the
             device mesh, as for Fabric's ``ModelParallelStrategy``; by default the model is
             sharded as described above.
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is
-            also a keyword of this signature (generated from DashConfig).
-        factor_decay: ``betas[1]`` of DASH.
-        allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
-        communication_dtype: dtype of the update rows sent back to the ranks holding them.
-        micro_group_mib: memory budget per rank, in MiB, for the whole blocks a step gathers
-            at once; the blocks are exchanged and computed in micro-groups that fit it (None,
-            the default: one round, the fewest collectives).
-        shard_modules: module classes that become FSDP2 units (default: the children of
-            every ``nn.ModuleList``).
-        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
+        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is also a
+            keyword of this signature (generated from DashConfig). This and the keywords
+            ``factor_decay``, ``allow_custom_step``, ``communication_dtype``, ``micro_group_mib``,
+            ``shard_modules`` and ``start_method`` mean what they mean for Lightning's
+            :class:`~lightning_dash.strategies.DashFSDPStrategy`.
         **kwargs: passed on to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``); ``tensor_parallel_size`` (default 1) needs a
             ``parallelize_fn`` that applies tensor parallelism, and ``data_parallel_size`` defaults

@@ -201,3 +201,19 @@ def check_data_parallel_sharding(module: nn.Module, mesh: DeviceMesh) -> None:
                 "mesh=device_mesh['data_parallel']) after parallelize_module, so that its gradient is averaged "
                 "over the data-parallel groups"
             )
+
+
+def shard_over_data_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    classes: Collection[type[nn.Module]] | None,
+    shard: Callable[[nn.Module, DeviceMesh, Collection[type[nn.Module]] | None], object],
+) -> None:
+    """What both FSDP2 front ends do with the model once the user's code has parallelised it:
+    refuse a tensor-parallel layout that data parallelism cannot complete
+    (:func:`check_data_parallel_sharding`), then, unless the user sharded it, shard it over
+    ``mesh["data_parallel"]`` with ``shard`` (:func:`shard_model` for the module Fabric calls,
+    :func:`shard_module` for a LightningModule, whose step methods Lightning calls)."""
+    check_data_parallel_sharding(module, mesh)
+    if not is_sharded(module):
+        shard(module, mesh["data_parallel"], classes)

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_dash.distributed import shard_across_ranks
 from lightning_dash.distributed.micro_groups import check_micro_group_mib
+from lightning_dash.integration.trainer_options import check_data_parallel_options
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, check_conversion_options
@@ -118,6 +119,24 @@ class ConversionOptions:
         conversion = {name: keywords.pop(name, default) for name, (_, default) in CONVERSION_ARGUMENTS.items()}
         options = {name: keywords.pop(name) for name in list(keywords) if name in OPTION_NAMES}
         return cls.build(config, **conversion, **options)
+
+    @classmethod
+    def for_data_parallel(
+        cls,
+        keywords: dict[str, Any],
+        strategy: type,
+        takes: tuple[Callable[..., Any], ...],
+        sharded: tuple[Callable[..., Any], ...],
+        use_instead: str,
+    ) -> ConversionOptions:
+        """:meth:`from_init` for a data-parallel front-end (Lightning's or Fabric's DDP strategy), which
+        then refuses ``micro_group_mib``, a sharding keyword (pointing to ``use_instead``), a keyword that
+        none of ``takes`` accepts and a wrong ``start_method`` (see
+        :func:`~lightning_dash.integration.trainer_options.check_data_parallel_options`)."""
+        conversion = cls.from_init(keywords)
+        conversion.check_sharding(sharded_parameters=False)
+        check_data_parallel_options(keywords, strategy, takes, sharded, use_instead)
+        return conversion
 
     def check_sharding(self, sharded_parameters: bool) -> None:
         """Refuse ``micro_group_mib`` for a front-end whose parameters are whole on every rank."""

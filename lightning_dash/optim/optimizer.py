@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dash.optim.checkpoint import Checkpointer
+from lightning_dash.optim.checkpoint import Checkpointer, CheckpointMethods
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import announced, converted_groups
 from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
@@ -51,7 +51,7 @@ def _reading(path: str, doc: str) -> property:
     return property(operator.attrgetter(path), doc=doc)
 
 
-class DASH(torch.optim.Optimizer):
+class DASH(CheckpointMethods, torch.optim.Optimizer):
     """Shampoo with batched block processing, batched inverse roots and grafting.
 
     Each parameter of two or more dimensions is viewed as a matrix, cut into
@@ -301,53 +301,3 @@ class DASH(torch.optim.Optimizer):
     nonfinite_update_skips = _counter(
         "nonfinite_update_skips", "Steps skipped whole because some computed update was not finite."
     )
-
-    # ------------------------------------------------------------------ checkpoints
-    def owned_tiles(self) -> dict[str, list[tuple[int, int]]]:
-        """The blocks this process owns, as ``(i, j)`` tile positions per parameter name
-        (the keys of :meth:`sharded_state_dict`); plans the ownership if not done yet."""
-        return self._checkpointer.owned_tiles()
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's share of the state, in the form that does not depend on the world size.
-
-        ``state`` is keyed by parameter name (the groups' ``param_names``, else the
-        position). Every statistic of a block sits under its own key (``left_factor_i_j``,
-        ``momentum_i_j``, ``root_valid_i_j``, ...) in the dict of the block's owner only;
-        the buffers of one-dimensional parameters are shaped like them (sharded like
-        them when parameters are sharded DTensors); every rank holds every ``step``.
-        Not collective: each rank writes its share (``torch.distributed.checkpoint``),
-        and :meth:`load_state_dict` takes any union of shares at any world size.
-        """
-        return self._checkpointer.sharded_state_dict()
-
-    def consolidate_state_dict(self) -> None:
-        """Collect every rank's blocks on rank 0 so that its :meth:`state_dict` is complete.
-
-        Collective: call it on every rank (Lightning's strategies do before saving).
-        """
-        self._checkpointer.consolidate_state_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Standard torch layout: ``state`` keyed by parameter index, plus ``param_groups``.
-
-        Every statistic, root, momentum and step count is a per-parameter copy. With
-        blocks owned by several ranks, :meth:`consolidate_state_dict` must run first
-        (on every rank); the complete state is then returned on rank 0. With
-        ``collective_state_dict`` set, this call consolidates by itself (every rank
-        must call it) and the other ranks get only the step counts. With parameters
-        sharded across ranks (FSDP2) the state is in the world-size-free form of
-        :meth:`sharded_state_dict`: this rank's share, or after consolidation the
-        whole state on rank 0.
-        """
-        return self._checkpointer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict`, onto the current parameters' devices.
-
-        Tensors keep their saved dtype (statistics stay float32 for low-precision
-        parameters); the stacks are rebuilt at the next step. The parameter-group
-        dictionaries stay the same objects (their values are loaded into them), so an
-        optimizer DASH was converted from, and its schedulers, keep driving it.
-        """
-        self._checkpointer.load_state_dict(state_dict)

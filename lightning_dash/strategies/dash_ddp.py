@@ -26,7 +26,6 @@ from lightning_dash.integration.namespaces import register_each
 from lightning_dash.integration.optimizer_swap import swap_optimizers
 from lightning_dash.integration.options import ConversionOptions, accepts_dash_options
 from lightning_dash.integration.sharded_checkpoint import read_whole
-from lightning_dash.integration.trainer_options import check_data_parallel_options
 from lightning_dash.optim import DASH
 
 if TYPE_CHECKING:
@@ -92,9 +91,7 @@ class DashStrategy(DDPStrategy):
         demo_momentum: float = 0.999,
         **kwargs: Any,
     ) -> None:
-        conversion = ConversionOptions.from_init(kwargs)
-        conversion.check_sharding(sharded_parameters=False)
-        check_data_parallel_options(kwargs, type(self), DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
+        conversion = ConversionOptions.for_data_parallel(kwargs, type(self), DDP_TAKES, SHARDED_STRATEGIES, USE_FSDP)
         super().__init__(**kwargs)
         #: How the optimizer of ``configure_optimizers`` becomes DASH: the resolved overrides and conversion options.
         self.conversion = conversion

@@ -30,12 +30,11 @@ from lightning_dash.integration.checkpoint_files import (
     staged_write,
 )
 from lightning_dash.integration.fsdp_sharding import (
-    check_data_parallel_sharding,
     check_mesh_sizes,
     check_shard_modules,
-    is_sharded,
     setup_sharded_environment,
     shard_module,
+    shard_over_data_parallel,
 )
 from lightning_dash.integration.namespaces import FSDP_LAUNCHERS, register_each
 from lightning_dash.integration.optimizer_swap import swap_optimizers
@@ -144,9 +143,7 @@ class DashFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        check_data_parallel_sharding(self.model, self.device_mesh)
-        if not is_sharded(self.model):
-            shard_module(self.model, self.device_mesh["data_parallel"], self.shard_modules)
+        shard_over_data_parallel(self.model, self.device_mesh, self.shard_modules, shard_module)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -131,12 +131,12 @@ def simulated_exchange(rank_plans, holdings: Holdings, seed: int):
             parts.append(full[index][top:bottom, left:right].reshape(-1))
         held.append(torch.cat(parts))
     sent = [held[rank][sides[rank].gradient_send_runs().positions()] for rank in range(world_size)]
-    parts = [list(sent[rank].split(sides[rank].gradients_out_sizes)) for rank in range(world_size)]
+    parts = [list(sent[rank].split(sides[rank].split_sizes["gradients_out"])) for rank in range(world_size)]
     stacks = []
     for owner in range(world_size):
         assert [len(part) for part in (parts[holder][owner] for holder in range(world_size))] == sides[
             owner
-        ].gradients_in_sizes
+        ].split_sizes["gradients_in"]
         received = torch.cat([parts[holder][owner] for holder in range(world_size)])
         runs = sides[owner].gradient_receive_runs(rank_plans[owner])
         flat = torch.full((runs.total,), math.nan, dtype=torch.float64)
@@ -144,7 +144,7 @@ def simulated_exchange(rank_plans, holdings: Holdings, seed: int):
         stacks.append(flat)
     updates = [torch.randn(flat.shape, generator=generator, dtype=torch.float64) for flat in stacks]
     back = [updates[owner][sides[owner].update_send_runs(rank_plans[owner]).positions()] for owner in range(world_size)]
-    back_parts = [list(back[owner].split(sides[owner].updates_out_sizes)) for owner in range(world_size)]
+    back_parts = [list(back[owner].split(sides[owner].split_sizes["updates_out"])) for owner in range(world_size)]
     applied = []
     for holder in range(world_size):
         received = torch.cat([back_parts[owner][holder] for owner in range(world_size)])

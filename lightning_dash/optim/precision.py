@@ -19,7 +19,7 @@ rounded to TF32's 10-bit mantissa, and the products accumulate in float32.
 * ``"auto"``: ``"float32"`` everywhere, as measured: on an H200 one TF32 product made the step
   2.4x faster than float32 but fails the roundoff bar (1.8e-3 of the movement against 1e-4), and
   tf32x3 passes it (1.8e-5) but its eager split passes made the step 1.7x slower than float32
-  (docs/benchmarks.md, "On one GPU").
+  (docs/benchmarks/gpu.md, "Measured on one GPU").
 
 On CUDA the step sets cuBLAS's float32 mode to what ``matmul_precision`` asks (TF32 or IEEE,
 whatever the process's own setting) and puts that setting back afterwards. Elsewhere the

@@ -122,8 +122,15 @@ def test_pages_use_markers_that_the_hook_knows():
 
 def test_every_page_is_in_the_navigation():
     config = (ROOT / "mkdocs.yml").read_text()
-    for path in (ROOT / "docs").glob("*.md"):
-        assert f": {path.name}" in config, f"{path.name} is not in mkdocs.yml's nav"
+    for path in (ROOT / "docs").rglob("*.md"):
+        page = path.relative_to(ROOT / "docs").as_posix()
+        assert re.search(rf"^\s+- (.+: )?{re.escape(page)}$", config, re.M), f"{page} is not in mkdocs.yml's nav"
+
+
+def test_no_page_over_400_lines():
+    """A page a reader finishes: a longer one is split by question (as docs/benchmarks/ is)."""
+    long = {path.name: n for path in DOC_FILES if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
 
 
 def test_readme_is_short():

@@ -1,4 +1,4 @@
-"""``docs/troubleshooting.md`` lists every error message and warning the package emits.
+"""``docs/troubleshooting/`` lists every error message and warning the package emits.
 
 Every module under ``lightning_dash/`` is parsed with ``ast`` (nothing is imported, so the
 Composer and distributed modules are read like the rest). For each ``raise X(<message>)``
@@ -34,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_dash"
-PAGE = ROOT / "docs" / "troubleshooting.md"
+PAGES = sorted((ROOT / "docs" / "troubleshooting").glob("*.md"))
 
 MIN_FRAGMENT = 8
 # Stripped from both ends of a fragment. Comparison operators (">=") stay: they are part
@@ -202,10 +202,15 @@ def collect_sites() -> list[Site]:
 SITES = collect_sites()
 
 
+def pages_text() -> str:
+    """Every troubleshooting page, one after another."""
+    return "\n".join(path.read_text() for path in PAGES)
+
+
 @pytest.fixture(scope="module")
 def page() -> str:
-    assert PAGE.is_file(), f"{PAGE.relative_to(ROOT)} is missing"
-    return normalise(PAGE.read_text())
+    assert len(PAGES) > 1, "docs/troubleshooting/ has no pages"
+    return normalise(pages_text())
 
 
 def test_the_scan_finds_the_package_raises() -> None:
@@ -268,7 +273,7 @@ def test_every_message_is_on_the_page(page: str, kind: str) -> None:
         elif len(site.longest) < MIN_FRAGMENT:
             missing.append(f"{site.where}: no literal fragment of {MIN_FRAGMENT}+ characters ({site.fragments})")
         elif site.longest not in page:
-            missing.append(f"{site.where}: add {site.longest!r} to {PAGE.relative_to(ROOT)}")
+            missing.append(f"{site.where}: add {site.longest!r} to a page of docs/troubleshooting/")
     assert not missing, f"{len(missing)} {kind} message(s) not on the troubleshooting page:\n" + "\n".join(missing)
 
 
@@ -276,7 +281,7 @@ ENTRY = re.compile(r"^- `(?P<message>[^`]+)` — \*(?P<type>\w+)\*", re.MULTILIN
 
 
 def test_every_entry_still_matches_a_message() -> None:
-    entries = ENTRY.findall(PAGE.read_text())
+    entries = ENTRY.findall(pages_text())
     assert len(entries) >= 50, "the page's entries no longer have the form '- `message` — *Type*'"
     known = [site.longest for site in SITES if site.fragments and len(site.longest) >= MIN_FRAGMENT]
     stale = [message for message, _ in entries if not any(fragment in normalise(message) for fragment in known)]

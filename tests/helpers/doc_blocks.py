@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The README, the documentation pages and the Composer method card shipped in the package.
 DOC_FILES = [
     ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs").rglob("*.md")),
     ROOT / "lightning_dash" / "composer" / "dash" / "README.md",
 ]
 

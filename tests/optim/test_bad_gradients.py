@@ -99,7 +99,7 @@ def test_the_direction_does_not_depend_on_the_loss_scale(solver):
     """An MLP trained on ``1e12 * loss`` follows the same path as on ``loss``: Adam grafting
     and relative damping are scale-invariant (up to the grafting epsilon, negligible here).
     The two runs differ by roundoff, which the iterative solvers amplify at small damping
-    (docs/benchmarks.md, Damping), so they run at the damping recommended for them, 1e-4."""
+    (docs/benchmarks/numerics.md, Damping), so they run at the damping recommended for them, 1e-4."""
     options = {**SOLVER_OPTIONS[solver]}
     if solver in ("newton_db", "coupled_newton"):
         options["epsilon"] = 1e-4

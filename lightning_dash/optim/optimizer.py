@@ -22,10 +22,11 @@ from lightning_dash.optim.routing import ParameterRouting
 from lightning_dash.optim.stacks.blocks import MatrixView
 from lightning_dash.optim.stacks.layout import Layout, layout_bytes, owned_blocks, param_names, preconditioned_blocks
 from lightning_dash.optim.step.bookkeeping import StepBookkeeping, advance_steps
+from lightning_dash.optim.step.commit import active_params, gradients_all_zero
 from lightning_dash.optim.step.device import step_on_device
 from lightning_dash.optim.step.grafting import uses_second_moment
 from lightning_dash.optim.step.refresh import RootRefresher
-from lightning_dash.optim.step.update import UpdateRules, active_params, gradients_all_zero
+from lightning_dash.optim.step.rules import UpdateRules
 from lightning_dash.optim.validation import check_iterable_params
 
 _log = logging.getLogger("lightning_dash")

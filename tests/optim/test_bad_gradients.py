@@ -16,7 +16,7 @@ from helpers.reference import ReferenceDash
 from torch import nn
 
 from lightning_dash import DASH, RootComputationError
-from lightning_dash.optim.step.update import any_nonfinite
+from lightning_dash.optim.step.commit import any_nonfinite
 
 SOLVERS = ("eigh", "newton_db", "coupled_newton", "chebyshev")
 

@@ -18,18 +18,12 @@ from torch import Tensor
 from lightning_dash.optim.distributor import BlockDistributor, BlockUpdate
 from lightning_dash.optim.precision import TENSOR_CORE_PRECISIONS, cuda_matmuls
 from lightning_dash.optim.stacks.layout import Layout
+from lightning_dash.optim.step.commit import any_nonfinite, decay_weights, local_peaks
 from lightning_dash.optim.step.failures import failure_summary
 from lightning_dash.optim.step.refresh import FailureReport, RootRefresher
+from lightning_dash.optim.step.rules import UpdateRules
 from lightning_dash.optim.step.schedule import roots_due
-from lightning_dash.optim.step.update import (
-    StackWork,
-    UpdateRules,
-    any_nonfinite,
-    begin_stack,
-    decay_weights,
-    local_peaks,
-    stack_direction,
-)
+from lightning_dash.optim.step.update import StackWork, begin_stack, stack_direction
 from lightning_dash.optim.step.vectors import vector_work
 
 

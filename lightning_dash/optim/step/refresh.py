@@ -28,7 +28,8 @@ from lightning_dash.optim.stacks.blocks import StackPlan
 from lightning_dash.optim.stacks.layout import Layout
 from lightning_dash.optim.stacks.state import StackState
 from lightning_dash.optim.step.async_refresh import RootPipeline
-from lightning_dash.optim.step.update import StackWork, per_block
+from lightning_dash.optim.step.rules import per_block
+from lightning_dash.optim.step.update import StackWork
 
 #: ``solver(stacked factors, eps, settings, scale, min_eps)``, as
 #: :func:`~lightning_dash.optim.roots.inverse_root`.

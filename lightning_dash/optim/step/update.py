@@ -1,5 +1,5 @@
-"""The update maths of one optimizer step per stack of blocks, and the rules and helpers every
-update shares (the one-dimensional parameters' maths is :mod:`.vectors`).
+"""The update maths of one optimizer step per stack of blocks (the one-dimensional parameters'
+maths is :mod:`.vectors`; the rules and per-block values both share are in :mod:`.rules`).
 
 Each function computes *candidates*: new statistics and the update, in fresh
 tensors, without touching the committed state. :meth:`StackWork.commit` makes them
@@ -8,8 +8,6 @@ the state once the whole step has been checked.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,158 +15,20 @@ import torch
 from torch import Tensor
 
 from lightning_dash.optim import precision
-from lightning_dash.optim.precision import resolve as resolve_matmul_precision
 from lightning_dash.optim.stacks import packed
 from lightning_dash.optim.stacks.blocks import StackPlan
 from lightning_dash.optim.stacks.layout import Layout, Stack
 from lightning_dash.optim.stacks.state import GRAFTING_RMS, MOMENTUM, StackState
-from lightning_dash.optim.stacks.uploads import upload, upload_runs
+from lightning_dash.optim.stacks.uploads import upload_runs
+from lightning_dash.optim.step.commit import commit_masked
 from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import GRAFTS, grafting_direction, next_rms, uses_second_moment
+from lightning_dash.optim.step.rules import PerBlock, UpdateRules, block_table, momentum_terms, next_momentum, per_block
 from lightning_dash.optim.step.schedule import roots_due
 
 if TYPE_CHECKING:
-    from lightning_dash.optim.config import DashConfig
-
-#: A value per block: a float when every block agrees, else a vector.
-PerBlock = float | Tensor
-
-
-@dataclass(frozen=True)
-class UpdateRules:
-    """The optimizer-wide choices the update maths follows in one step."""
-
-    grafting: str
-    nesterov: bool
-    bias_correction: bool
-    compiled: bool = False
-    lr_scale: float = 1.0  # of the grafted Shampoo direction only: vectors and fallbacks step at the lr itself
-    matmul_precision: str = precision.FLOAT32  # of float32 matmuls, resolved (lightning_dash.optim.precision)
-    root_schedule: str = "from_start"  # lightning_dash.optim.step.schedule
-    decay_vectors: bool = True  # whether weight decay moves 1-D parameters too
-    grafting_norm: str = "frobenius"  # lightning_dash.optim.step.grafting.GRAFTING_NORMS
-
-    @classmethod
-    def of(cls, config: DashConfig) -> UpdateRules:
-        """The rules ``config`` sets (its matmul precision resolved)."""
-        return cls(
-            config.grafting,
-            config.nesterov,
-            config.bias_correction,
-            config.compile,
-            config.lr_scale,
-            resolve_matmul_precision(config.matmul_precision),
-            config.root_schedule,
-            config.decay_vectors,
-            config.grafting_norm,
-        )
-
-    @property
-    def fallback(self) -> str:
-        """The grafting kind of blocks without a Shampoo direction (Adam for ``"none"``)."""
-        return "adam" if self.grafting == "none" else self.grafting
-
-
-def per_block(
-    values: list[float], counts: list[int], device: torch.device, dtype: torch.dtype = torch.float32
-) -> PerBlock:
-    """One value per region expanded to one per block: a float when all agree, else a
-    vector uploaded without a host wait."""
-    first = values[0]
-    if all(value == first for value in values):
-        return first
-    return upload([value for value, count in zip(values, counts) for _ in range(count)], dtype, device)
-
-
-def block_table(
-    columns: list[list[float]], counts: list[int], device: torch.device, dtype: torch.dtype, as_tensors: bool
-) -> list[PerBlock]:
-    """Per-region values (one list per column) as per-block values shaped ``(n, 1, 1)``.
-
-    Eagerly a column whose regions agree stays a float (fewer kernels); for a compiled
-    step (``as_tensors``) every column is a tensor, all uploaded in one copy, so changing
-    values (learning rates, bias corrections) never change the compiled graph.
-    """
-    if not as_tensors:
-        return [blockwise(per_block(column, counts, device, dtype)) for column in columns]
-    flat = [value for column in columns for value, count in zip(column, counts) for _ in range(count)]
-    return list(upload(flat, dtype, device).view(len(columns), -1, 1, 1).unbind(0))
-
-
-def blockwise(value: PerBlock) -> PerBlock:
-    """Shape a per-block vector to broadcast over ``(n, rows, cols)``."""
-    return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
-
-
-def momentum_terms(rules: UpdateRules, steps: list[int], betas1: list[float]) -> list[float]:
-    """``1 - beta1**t`` (``t + 1`` with Nesterov) per region (1 without bias correction)."""
-    shift = 1 if rules.nesterov else 0
-    return [1.0 - b ** (t + shift) if rules.bias_correction else 1.0 for b, t in zip(betas1, steps)]
-
-
-def next_momentum(
-    rules: UpdateRules, momentum: Tensor | None, grad: Tensor, beta1: PerBlock
-) -> tuple[Tensor | None, Tensor]:
-    """The next EMA of the gradient (a new tensor) and the momentum the step follows."""
-    if momentum is None:
-        return None, grad
-    following = momentum.lerp(grad, 1.0 - beta1)
-    return following, (grad.lerp(following, beta1) if rules.nesterov else following)
-
-
-def active_params(layout: Layout) -> set[int]:
-    """Indices of parameters with a gradient (empty ones excepted); a host-side decision."""
-    candidates = [i for i, p in enumerate(layout.params) if p.grad is not None and p.numel() > 0]
-    for index in candidates:
-        if layout.params[index].grad.is_sparse:
-            raise ValueError(f"params: DASH does not support sparse gradients ({layout.names[index]})")
-    return set(candidates)
-
-
-def local_peaks(layout: Layout, active: set[int], device: torch.device) -> Tensor:
-    """The largest magnitude of each active gradient's local part, as one vector (NaN
-    propagates; an empty part counts as zero). Two launches, no host read."""
-    held = [grad for i in sorted(active) if (grad := layout.local(layout.params[i].grad)).numel() > 0]
-    if not held:
-        return torch.zeros(1, device=device)
-    return torch.stack([norm.to(torch.float32) for norm in torch._foreach_norm(held, math.inf)])
-
-
-def any_nonfinite(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """A 0-d float on ``device``: 1 when some entry of ``tensors`` is not finite, else 0 (empty ones pass)."""
-    if not (tensors := [tensor for tensor in tensors if tensor.numel() > 0]):
-        return torch.zeros((), device=device)
-    peaks = torch.stack([norm.to(torch.float32) for norm in torch._foreach_norm(tensors, math.inf)])
-    return (~torch.isfinite(peaks)).any().to(torch.float32)
-
-
-def gradients_all_zero(layout: Layout, active: set[int], reduce_max: Callable[[Tensor], Tensor]) -> bool:
-    """Whether every active gradient is exactly zero on every rank (reads one value back)."""
-    device = layout.params[min(active)].device
-    peaks = torch.nan_to_num(local_peaks(layout, active, device), nan=math.inf)
-    return bool(reduce_max(peaks.max().view(1)).item() == 0)
-
-
-def decay_weights(layout: Layout, groups: list[dict[str, Any]], active: set[int], skip: Tensor, vectors: bool) -> None:
-    """Decoupled weight decay ``W <- W (1 - lr wd)`` of the moving parameters, 1-D ones too
-    if ``vectors`` (none when the 0-d bool ``skip`` is set)."""
-    for group_index, group in enumerate(groups):
-        factor = 1.0 - group["lr"] * group["weight_decay"]
-        if factor != 1.0:
-            moving = [i for i in sorted(active) if layout.group_of[i] == group_index]
-            moving = moving if vectors else [i for i in moving if layout.params[i].dim() >= 2]
-            decayed = [layout.local(layout.params[i]) for i in moving]
-            if decayed:
-                torch._foreach_mul_(decayed, torch.where(skip, 1.0, torch.full_like(skip, factor, dtype=torch.float64)))
-
-
-def commit_masked(current: Tensor, candidate: Tensor, index: Tensor | None, skip: Tensor) -> None:
-    """``current`` (at ``index``, or whole) takes ``candidate`` unless ``skip`` is set; in place."""
-    if index is None:
-        torch.where(skip, current, candidate.to(current.dtype), out=current)
-    else:
-        current.index_copy_(0, index, torch.where(skip, current.index_select(0, index), candidate.to(current.dtype)))
+    pass
 
 
 @dataclass

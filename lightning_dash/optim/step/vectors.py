@@ -14,16 +14,10 @@ from torch import Tensor
 
 from lightning_dash.optim.stacks.layout import Layout, VectorGroup
 from lightning_dash.optim.stacks.uploads import upload_runs
+from lightning_dash.optim.step.commit import commit_masked
 from lightning_dash.optim.step.compiled import kernel
 from lightning_dash.optim.step.grafting import grafting_direction, next_rms, uses_second_moment
-from lightning_dash.optim.step.update import (
-    PerBlock,
-    UpdateRules,
-    block_table,
-    commit_masked,
-    momentum_terms,
-    next_momentum,
-)
+from lightning_dash.optim.step.rules import PerBlock, UpdateRules, block_table, momentum_terms, next_momentum
 
 
 @dataclass

@@ -73,9 +73,9 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/solvers.py
+	$(PY) benchmarks/speed/solvers.py
 
-# Meta's Distributed Shampoo into $(VENV), for benchmarks/step_time.py --suite peers. Its metadata asks
+# Meta's Distributed Shampoo into $(VENV), for benchmarks/speed/step_time.py --suite peers. Its metadata asks
 # for Python >= 3.12 but it runs on 3.11; it imports numpy without declaring it.
 $(VENV)/.peers-installed: $(PEER_TARBALL) $(VENV)/.installed
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python $(PEER_TARBALL)
@@ -85,20 +85,20 @@ $(VENV)/.peers-installed: $(PEER_TARBALL) $(VENV)/.installed
 # DASH against Meta's Distributed Shampoo (skipped by the script when the peer is not installed);
 # about 8 minutes on 2 CPU cores. On a shared machine: flock /tmp/cpu_heavy.lock make bench-step
 bench-step: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
-	$(PY) benchmarks/step_time.py --suite peers
+	$(PY) benchmarks/speed/step_time.py --suite peers
 
-# The convergence race (benchmarks/peers.py): AdamW, Muon, heavyball's SOAP and PSGD-Kron, Meta's
+# The convergence race (benchmarks/races/peers.py): AdamW, Muon, heavyball's SOAP and PSGD-Kron, Meta's
 # Distributed Shampoo and DASH on the main job's model; about 55 minutes on 2 CPU cores. heavyball comes
 # with the bench extra (pip leaves torch as it is: heavyball 3.2.1 asks for torch >= 2.2, < 3, numpy >=
 # 2.3.4 and opt-einsum); Meta's Shampoo from ../shared/peers when it is there (else that contender is
 # recorded as unavailable). On a shared machine: flock /tmp/cpu_heavy.lock make bench-peers
 bench-peers: $(VENV)/.installed $(if $(PEER_TARBALL),$(VENV)/.peers-installed)
-	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/races/peers.py
 
-# The model-family suite (benchmarks/families.py): nine unchanged LightningModules with their AdamW recipes,
+# The model-family suite (benchmarks/races/families.py): nine unchanged LightningModules with their AdamW recipes,
 # AdamW's lr tuned per family, then strategy="dash" at it, 2 seeds; about 40 minutes on 2 idle CPU cores.
 bench-families: $(VENV)/.installed
-	$(PY) benchmarks/families.py --timing 1
+	$(PY) benchmarks/races/families.py --timing 1
 
 clean:
 	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache site

@@ -2,7 +2,7 @@
 
 ``distributed_shampoo.DistributedShampoo`` (facebookresearch/optimizers, installed from
 ``../shared/peers/torch-shampoo-*.tar.gz``; see ``../shared/peers/README.md``) is a peer for
-``benchmarks/step_time.py`` only: nothing in the package imports it, and this module imports
+``benchmarks/speed/step_time.py`` only: nothing in the package imports it, and this module imports
 it only when an optimizer is built, so that the benchmarks load without it. Only its public
 API is called (the names exported by ``distributed_shampoo``).
 

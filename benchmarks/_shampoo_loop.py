@@ -1,6 +1,6 @@
 """A per-block loop Shampoo: DASH's update, one block at a time.
 
-This is the baseline of ``benchmarks/step_time.py``: the structure of Distributed
+This is the baseline of ``benchmarks/speed/step_time.py``: the structure of Distributed
 Shampoo, where every block of every parameter keeps its own statistics and is
 processed by its own small kernels. It performs DASH's update exactly (the same
 factor updates, bias corrections, Adam grafting, root schedule and the same
@@ -28,7 +28,7 @@ from lightning_dash.optim.roots import inverse_root
 from lightning_dash.optim.stacks.blocks import matrix_shape
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import GRAFTS, grafting_direction, next_rms
-from lightning_dash.optim.step.update import UpdateRules, momentum_terms, next_momentum
+from lightning_dash.optim.step.rules import UpdateRules, momentum_terms, next_momentum
 
 #: The options of :class:`ShampooLoop` that fix how its roots are computed (DashConfig's names).
 ROOT_OPTIONS = (

@@ -1,10 +1,10 @@
 """What the benchmark scripts share: devices, optimizers, the schedule, evaluation, tables, JSON.
 
-Not a benchmark itself: the scripts in this folder import it (each puts this folder on
-``sys.path`` first, so that they also run as ``python benchmarks/<script>.py`` and
-when loaded by path from the tests). It imports nothing but torch and
-:class:`lightning_dash.DASH` from the package, so that scripts run against an older
-checkout on ``PYTHONPATH`` (``damping.py``, ``compare_revisions.py``) still import it.
+Not a benchmark itself: the scripts in the folders below this one import it (each puts its own
+folder and this one on ``sys.path`` first, so that they also run as
+``python benchmarks/<folder>/<script>.py`` and when loaded by path from the tests). It imports
+nothing but torch and :class:`lightning_dash.DASH` from the package, so that scripts run against
+an older checkout on ``PYTHONPATH`` (``damping.py``, ``compare_revisions.py``) still import it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from lightning_dash import DASH
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: The repository root: results folders are shown relative to it.
+ROOT = Path(__file__).resolve().parents[1]
 #: Names :func:`build_optimizer` knows.
 OPTIMIZERS = ("adamw", "dash")
 
@@ -117,12 +118,16 @@ def validation_loss(
 
 
 # ---------------------------------------------------------------------- output
-def results_parser(description: str, device_default: str | None, device_help: str) -> argparse.ArgumentParser:
+def results_parser(
+    description: str, results_dir: Path, device_default: str | None, device_help: str
+) -> argparse.ArgumentParser:
     """A script's argument parser with the flags every results-writing benchmark takes: ``--device``
-    (``device_default``, described by ``device_help``) and ``--out``, the results folder."""
+    (``device_default``, described by ``device_help``) and ``--out``, the results folder (default
+    ``results_dir``, the script's folder's ``results/``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default=device_default, help=device_help)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/results)")
+    shown = results_dir.relative_to(ROOT) if results_dir.is_relative_to(ROOT) else results_dir
+    parser.add_argument("--out", type=Path, default=results_dir, help=f"results folder (default: {shown})")
     return parser
 
 

@@ -35,7 +35,7 @@ force it); a few known third-party notices are filtered (``lightning_dash.showca
 Learning rates: AdamW's default, 6e-3, is its best on the grid {1.5e-3, 3e-3, 6e-3, 1.2e-2}
 swept at the default settings with the same schedule (final validation loss 1.908, 1.695,
 1.517, 1.548). DASH takes the same lr: the AdamW recipe, unchanged, is the claim under test
-(``benchmarks/peers.py`` measured DASH's best lr at 8x AdamW's on this model with version 0.4's
+(``benchmarks/races/peers.py`` measured DASH's best lr at 8x AdamW's on this model with version 0.4's
 numerics; ``--lr-dash`` or ``DashStrategy(lr_scale=...)`` try a larger one).
 
     .venv/bin/python examples/train_char_gpt.py                      # the full comparison

@@ -89,7 +89,7 @@ class DemoGradientSync:
         if self.mode == "demo":
             # DeMo's error-feedback accumulator already is the momentum of the signal DASH
             # receives; a second momentum on top of it slows training (measured in
-            # benchmarks/demo_sync.py), so DASH steps on the decoded direction directly.
+            # benchmarks/distributed/demo_sync.py), so DASH steps on the decoded direction directly.
             for group in dash.param_groups:
                 group["betas"] = (0.0, group["betas"][1])
         return dash

@@ -38,8 +38,8 @@ AUTO = "auto"
 
 #: Relative damping of the factors (see ``epsilon``): with inverse square roots, the smallest that keeps a
 #: 1e-7 relative gradient perturbation (another summation order) below 1e-4 of the parameters' movement
-#: after 12 steps (``benchmarks/roundoff.py``: at most 2.4e-5 at 1e-3, 2.2e-4 at 1e-4), at no cost on the model
-#: families (``benchmarks/families.py``; docs/benchmarks/families.md).
+#: after 12 steps (``benchmarks/numerics/roundoff.py``: at most 2.4e-5 at 1e-3, 2.2e-4 at 1e-4), at no cost on the model
+#: families (``benchmarks/races/families.py``; docs/benchmarks/families.md).
 DEFAULT_EPSILON = 1e-3
 #: The inverse-root orders :attr:`DashConfig.root_order` takes.
 ROOT_ORDERS = (2, 4)

@@ -71,7 +71,7 @@ def dash_group_settings(
 
     The lr is kept as it is: grafting gives every preconditioned block the step size of the
     source optimizer's own update, so its tuned lr and schedule carry over (measured on the
-    model-family suite, ``benchmarks/families.py``).
+    model-family suite, ``benchmarks/races/families.py``).
     Adam/AdamW (and Composer's ``DecoupledAdamW``) graft Adam with their second-moment
     decay and epsilon; SGD (and ``DecoupledSGDW``) grafts SGD with its momentum;
     Adagrad and RMSprop graft themselves. Adam's L2 ``weight_decay`` becomes decoupled

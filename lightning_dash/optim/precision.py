@@ -10,7 +10,7 @@ rounded to TF32's 10-bit mantissa, and the products accumulate in float32.
 * ``"tf32"``: one TF32 product (operands rounded to 11 significant bits, about 5e-4):
   the fastest, but a rounding that flips under a tiny perturbation of its input moves the
   result by a whole TF32 unit, so training amplifies a 1e-7 change of the gradients about
-  100 times more than in float32 (``benchmarks/roundoff.py``).
+  100 times more than in float32 (``benchmarks/numerics/roundoff.py``).
 * ``"tf32x3"``: each operand split into a TF32 head and a TF32 tail (``a = h + t``) and the
   product taken as ``h h' + h t' + t h'`` in three TF32 products: within a few float32 units of
   float32's accuracy, and float32's roundoff sensitivity (the split is exact, so it is

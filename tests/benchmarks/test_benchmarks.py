@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "distributed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "numerics"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "races"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "speed"))
 
 import _step_time_cases as step_cases
 import _step_time_measure as step_measure

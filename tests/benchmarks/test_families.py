@@ -1,4 +1,4 @@
-"""The model-family suite (benchmarks/families.py) in miniature: two families, a few steps, one seed."""
+"""The model-family suite (benchmarks/races/families.py) in miniature: two families, a few steps, one seed."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ pytest.importorskip("sklearn")
 
 def load(name: str):
     """A benchmark script as a module (registered by name: the suite's worker processes import it)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
+    for folder in (BENCHMARKS, BENCHMARKS / "races"):  # the shared modules (family_models), the suite's folder
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     return importlib.import_module(name)
 
 

@@ -1,4 +1,4 @@
-"""The GPU race (benchmarks/gpu_race.py) on the CPU at a tiny size, so that its one GPU run is right.
+"""The GPU race (benchmarks/races/gpu_race.py) on the CPU at a tiny size, so that its one GPU run is right.
 
 The records, the target (AdamW's best final loss) and every run's steps and seconds to it, recomputed
 here from the records' curves; then the robustness the GPU run relies on: a run whose optimizer fails is
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "races"))
 
 import gpu_race
 

@@ -1,4 +1,4 @@
-"""The convergence race (benchmarks/peers.py) on a tiny model, so that its harness cannot rot.
+"""The convergence race (benchmarks/races/peers.py) on a tiny model, so that its harness cannot rot.
 
 A few steps at width 32 with two learning rates per contender: the records, the table, the
 plot, the merge of a second run into the first one's JSON, and the analysis (steps to AdamW's
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "races"))
 
 import _peers_analysis as analysis
 import _peers_contenders as contenders

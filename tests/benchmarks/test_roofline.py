@@ -1,4 +1,4 @@
-"""Closed-form checks of the H100 roofline model (``benchmarks/roofline.py``); nothing is timed.
+"""Closed-form checks of the H100 roofline model (``benchmarks/speed/roofline.py``); nothing is timed.
 
 Each check recomputes a count independently of the script's own helpers: the FLOPs of one
 block's statistics, the blocks covering every matrix parameter exactly once, AdamW's bytes
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "speed"))
 
 import _roofline_counts as counts
 import roofline

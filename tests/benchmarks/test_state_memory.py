@@ -1,4 +1,4 @@
-"""Checks of the optimizer-state benchmark (``benchmarks/state_memory.py``); nothing is timed.
+"""Checks of the optimizer-state benchmark (``benchmarks/memory/state_memory.py``); nothing is timed.
 
 DASH's measured state must equal its closed form, recomputed here tile by tile from the
 shapes (not with the script's own helper); AdamW's must be two float32 moments per element
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "memory"))
 
 import state_memory
 

@@ -64,9 +64,9 @@ def test_command_checks_can_fail():
     with pytest.raises(AssertionError, match="--no-such-flag"):
         check_command(".venv/bin/python examples/train_char_gpt.py --no-such-flag 3")
     # After a bare --, flags are another script's of the same folder (compare_revisions.py -> step_time.py).
-    assert check_command(".venv/bin/python benchmarks/compare_revisions.py --before HEAD -- --suite peers")
+    assert check_command(".venv/bin/python benchmarks/speed/compare_revisions.py --before HEAD -- --suite peers")
     with pytest.raises(AssertionError, match="--no-such-flag"):
-        check_command(".venv/bin/python benchmarks/compare_revisions.py --before HEAD -- --no-such-flag")
+        check_command(".venv/bin/python benchmarks/speed/compare_revisions.py --before HEAD -- --no-such-flag")
     with pytest.raises(AssertionError, match="no such script"):
         check_command("python examples/missing.py")
     with pytest.raises(AssertionError, match="no check"):

@@ -105,12 +105,17 @@ def _extras() -> set[str]:
     return set(re.findall(r"^([\w-]+) = ", table, flags=re.M))
 
 
+#: The benchmarks' shared modules live here, one folder above the scripts that import them.
+BENCHMARKS = ROOT / "benchmarks"
+
+
 def _source_with_siblings(script: Path) -> str:
-    """``script``'s source and that of the modules beside it that it imports (a benchmark's options may
-    come from the shared harness, e.g. ``common.results_parser``)."""
+    """``script``'s source and that of the modules it imports from beside it or, for a benchmark, from
+    the shared modules in ``benchmarks/`` (its options may come from there, e.g. ``common.results_parser``)."""
     source = script.read_text()
     names = re.findall(r"^(?:from|import) (\w+)", source, flags=re.M)
-    siblings = [script.with_name(f"{name}.py") for name in names]
+    folders = [script.parent, *([BENCHMARKS] if script.parent.parent == BENCHMARKS else [])]
+    siblings = [folder / f"{name}.py" for folder in folders for name in names]
     return "\n".join([source, *(sibling.read_text() for sibling in siblings if sibling.is_file())])
 
 
@@ -121,7 +126,7 @@ def _check_script(words: list[str]) -> str:
     source = _source_with_siblings(ROOT / script)
     for word in words[words.index(script) + 1 :]:
         if word == "--":  # what follows is passed through to another script of the same folder
-            source = "".join(path.read_text() for path in sorted((ROOT / script).parent.glob("*.py")))
+            source = "".join(_source_with_siblings(path) for path in sorted((ROOT / script).parent.glob("*.py")))
             continue
         flag = word.split("=", 1)[0]
         if flag.startswith("--") and f'"{flag}"' not in source:

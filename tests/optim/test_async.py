@@ -519,7 +519,7 @@ class FinalParameters(pl.LightningModule):
 
 # --------------------------------------------------------------------------- benchmark
 def test_benchmark_smoke_run_writes_the_record_layout(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "async_overlap.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "speed" / "async_overlap.py"
     spec = importlib.util.spec_from_file_location("async_overlap", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["async_overlap"] = module  # dataclasses look their module up there

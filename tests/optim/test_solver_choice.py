@@ -1,7 +1,7 @@
 """The solver ``inverse_root_method="auto"`` resolves to (:mod:`lightning_dash.optim.roots.choice`).
 
 Always a known solver; the CPU table equal to the winners recorded by
-``benchmarks/solver_choice.py`` in ``benchmarks/results/solver_choice_cpu.json`` (so the
+``benchmarks/speed/solver_choice.py`` in ``benchmarks/speed/results/solver_choice_cpu.json`` (so the
 table cannot drift from the measurement); block sizes mapped to the right bucket. Nothing
 is timed here: the timings are the benchmark's.
 """
@@ -28,8 +28,8 @@ from lightning_dash.optim.roots.choice import (
     explain_choice,
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-RESULTS = BENCHMARKS / "results" / "solver_choice_cpu.json"
+SPEED = Path(__file__).resolve().parents[2] / "benchmarks" / "speed"
+RESULTS = SPEED / "results" / "solver_choice_cpu.json"
 DEVICE_TYPES = ("cpu", "cuda", "cuda:1", "mps", "xpu", "meta")
 SIZES = (1, 2, 15, 16, 17, 31, 100, 128, 129, 500, 1000, 1024, 1025, 2048, 2049, 4096, 100_000)
 
@@ -41,8 +41,8 @@ def measured() -> dict:
 
 @pytest.fixture(scope="module")
 def benchmark():
-    """``benchmarks/solver_choice.py`` loaded by path (only its constants and pure helpers are used)."""
-    spec = importlib.util.spec_from_file_location("solver_choice_benchmark", BENCHMARKS / "solver_choice.py")
+    """``benchmarks/speed/solver_choice.py`` loaded by path (only its constants and pure helpers are used)."""
+    spec = importlib.util.spec_from_file_location("solver_choice_benchmark", SPEED / "solver_choice.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
     spec.loader.exec_module(module)
@@ -68,7 +68,7 @@ def test_cpu_table_cites_the_run_it_records(measured, benchmark):
     assert meta["device"] == "cpu"
     assert meta["required_relative_error"] == REQUIRED_RELATIVE_ERROR == benchmark.REQUIRED_RELATIVE_ERROR
     assert meta["torch"] in CPU_TABLE.source and meta["date"] in CPU_TABLE.source
-    assert "benchmarks/solver_choice.py" in CPU_TABLE.source
+    assert "benchmarks/speed/solver_choice.py" in CPU_TABLE.source
     assert [size for size, _ in CPU_TABLE.choices] == list(benchmark.BLOCK_SIZES)
 
 
@@ -117,7 +117,7 @@ def test_cuda_uses_newton_db_and_other_devices_fall_back():
 def test_explain_choice_is_one_line_naming_method_size_device_and_source():
     cpu = explain_choice("cpu", 1024)
     assert cpu.startswith(f"auto -> {CPU_TABLE.method_for(1024)} for 1024-blocks on cpu (measured: ")
-    assert "benchmarks/solver_choice.py" in cpu
+    assert "benchmarks/speed/solver_choice.py" in cpu
     assert explain_choice(torch.device("cuda", 1), 512).startswith("auto -> newton_db for 512-blocks on cuda (")
     assert explain_choice("mps", 8).startswith("auto -> eigh for 8-blocks on mps (")
     assert all("\n" not in explain_choice(device, 64) for device in DEVICE_TYPES)

@@ -307,7 +307,7 @@ def test_monitor_logs_what_auto_chose(tmp_path):
     module = TinyModule()
     module.dash_options["inverse_root_method"] = "auto"
     fit(tmp_path, 1, [DashMonitor()], module=module, logger=logger)
-    # on the CPU, "auto" is eigh at every block size (benchmarks/results/solver_choice_cpu.json)
+    # on the CPU, "auto" is eigh at every block size (benchmarks/speed/results/solver_choice_cpu.json)
     assert "dash/inverse_root_method: eigh" in (Path(logger.log_dir) / "hparams.yaml").read_text()
 
 

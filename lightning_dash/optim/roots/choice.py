@@ -6,8 +6,8 @@ differ). Each device type has a :class:`SolverTable`: the solver chosen for each
 block size. A block size maps to its bucket, the smallest recorded size at least as large
 (a 100-block uses the 128 entry), or the largest recorded size for anything bigger.
 
-* ``cpu``: measured by ``benchmarks/solver_choice.py`` (results in
-  ``benchmarks/results/solver_choice_cpu.json``): per size, the fastest solver whose
+* ``cpu``: measured by ``benchmarks/speed/solver_choice.py`` (results in
+  ``benchmarks/speed/results/solver_choice_cpu.json``): per size, the fastest solver whose
   roots of realistic factors (a full-rank and a rank-deficient one, DASH's default damping
   and solver settings) are within :data:`REQUIRED_RELATIVE_ERROR` of a float64 ``eigh``
   and pass the optimizer's acceptance test. ``tests/optim/test_solver_choice.py`` keeps the
@@ -39,7 +39,7 @@ __all__ = [
 
 #: The accuracy a measured choice must reach: largest relative Frobenius error of a root
 #: against the float64 ``eigh`` root, on a full-rank and a rank-deficient factor (the
-#: threshold of ``benchmarks/solver_choice.py``). ``eigh`` is the reference and always qualifies.
+#: threshold of ``benchmarks/speed/solver_choice.py``). ``eigh`` is the reference and always qualifies.
 REQUIRED_RELATIVE_ERROR = 1e-2
 
 #: The solver of device types without a table.
@@ -76,13 +76,13 @@ class SolverTable:
         return dict(self.choices)[self.bucket(block_size)]
 
 
-#: Measured with ``flock /tmp/cpu_heavy.lock .venv/bin/python benchmarks/solver_choice.py``
+#: Measured with ``flock /tmp/cpu_heavy.lock .venv/bin/python benchmarks/speed/solver_choice.py``
 #: on a 2-core AMD EPYC (KVM guest, 2.6 GHz), torch 2.13.0+cpu, 2026-11-24; stacks of 4M
 #: elements (16384 blocks of 16 ... 1 of 2048). eigh won at every size, 2.1x (16) to 11x
 #: (2048) faster than the fastest qualifying Newton solver: on CPU an eigendecomposition
 #: costs a few matmuls' worth of flops, while at the default damping Newton-DB ran 13 + 9
 #: iterations of 3 batched matmuls and coupled Newton 20 of 4. (Newton-DB has since become one
-#: pass of 44 matmuls, benchmarks/newton_cost.py: still 4.4-6.5x eigh's time, so the choice stands.)
+#: pass of 44 matmuls, benchmarks/speed/newton_cost.py: still 4.4-6.5x eigh's time, so the choice stands.)
 #: Even at 16384 blocks of 16,
 #: where torch's CPU eigh loops over the blocks, it took 15 us per block. Chebyshev never
 #: qualified (errors 0.3-0.85: its degree-40 interpolant is accurate only above ~7.5e-3 of
@@ -98,7 +98,7 @@ CPU_TABLE = SolverTable(
         (1024, "eigh"),
         (2048, "eigh"),
     ),
-    source="measured: benchmarks/solver_choice.py, 2-core AMD EPYC, torch 2.13.0+cpu, 2026-11-24",
+    source="measured: benchmarks/speed/solver_choice.py, 2-core AMD EPYC, torch 2.13.0+cpu, 2026-11-24",
 )
 
 #: Not measured here (no GPU). The DASH paper (Modoranu et al., "DASH: Faster Shampoo via
@@ -140,7 +140,7 @@ def choose_inverse_root_method(device: torch.device | str, block_size: int) -> s
 
 def explain_choice(device: torch.device | str, block_size: int) -> str:
     """One line for the log: the chosen solver and why, e.g. ``"auto -> eigh for 1024-blocks
-    on cpu (measured: benchmarks/solver_choice.py, ...)"``."""
+    on cpu (measured: benchmarks/speed/solver_choice.py, ...)"``."""
     method = choose_inverse_root_method(device, block_size)
     kind = _device_type(device)
     table = SOLVER_TABLES.get(kind)

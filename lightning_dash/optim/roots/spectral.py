@@ -79,7 +79,7 @@ def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
     training amplifies it (on a GRU language model whose factors have one dominant
     direction, a 1e-7 change of the gradients moved the parameters by 2.1e-4 of their
     movement after 10 steps with float32 decompositions, 2.0e-5 with float64 ones;
-    ``benchmarks/roundoff.py``). On a CPU it costs about 1.7x a float32 decomposition.
+    ``benchmarks/numerics/roundoff.py``). On a CPU it costs about 1.7x a float32 decomposition.
 
     Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff of the statistics' dtype
     times the block's largest eigenvalue (about 1e-6 of it for float32 statistics) are

@@ -22,6 +22,7 @@ from lightning_dash.optim.roots import spectrum_floor
 from lightning_dash.optim.roots.common import spectral_upper_bound
 from lightning_dash.optim.roots.newton import planned_scaled_iterations
 from lightning_dash.optim.stacks.blocks import MatrixView, param_regions
+from lightning_dash.optim.step.grafting import SPECTRAL_ITERATIONS
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 STATE_BYTES = 4  # optimizer state is fp32 in every column
@@ -46,6 +47,15 @@ BLOCK_STATE_PASSES = 6
 #: 1-D parameters: parameter read/write and gradient read; the fp32 gradient copy written
 #: and read, momentum and second moment read and write, the update written and read.
 VECTOR_STATE_PASSES = 8
+#: fp32 passes over each block side's ``s x s`` per step that packed state adds (``stacks/packed.py``):
+#: the root formed from its triangle for the direction (the triangle read twice, the root written) 3,
+#: the new factor's triangle written into the pair (new and old read, written) 3, the pair
+#: re-assembled (read, written) 2.
+PACKING_PASSES = 8
+#: fp32 reads of a block per step by spectral grafting's estimate of the largest singular value
+#: (``grafting.spectral_norm``): two products per power iteration and one after them, for the Shampoo
+#: direction and for the Adam step; each product reads the block once and does 2 FLOPs per element.
+SPECTRAL_READS = 2 * (2 * SPECTRAL_ITERATIONS + 1)
 #: ``torch.where(bad, old, new, out=old)`` per state tensor, eager: read old, read new, and
 #: the write of the candidate into its own tensor that an in-place update would not need.
 COMMIT_PASSES = 3
@@ -152,6 +162,20 @@ def block_elementwise_bytes(rows: int, cols: int, param_bytes: int) -> int:
 def block_commit_bytes(rows: int, cols: int) -> int:
     """Commit passes of momentum, second moment, L and R (every step)."""
     return COMMIT_PASSES * STATE_BYTES * (2 * rows * cols + rows * rows + cols * cols)
+
+
+def packing_bytes(rows: int, cols: int) -> int:
+    """The passes packed state adds on both sides of a block (every step)."""
+    return PACKING_PASSES * STATE_BYTES * (rows * rows + cols * cols)
+
+
+def spectral_grafting_flops(rows: int, cols: int) -> int:
+    """Spectral grafting's products over a block (every step)."""
+    return 2 * SPECTRAL_READS * rows * cols
+
+
+def spectral_grafting_bytes(rows: int, cols: int) -> int:
+    return SPECTRAL_READS * STATE_BYTES * rows * cols
 
 
 def adamw_bytes_per_element(param_bytes: int) -> int:

@@ -21,6 +21,11 @@ Parts of a DASH step, per ``m x n`` block (``E = m n`` elements, ``F = m^2 + n^2
 * ``elementwise``: grafting Adam, momentum, factor scaling, graft norm, the update applied
   to the parameter, counted as one fused pass over each tensor (``BLOCK_PARAM_PASSES``,
   ``BLOCK_STATE_PASSES``); the temporaries of today's eager code are not counted.
+* ``grafting norm``: spectral grafting's power iterations on the Shampoo direction and the Adam
+  step of every block (``SPECTRAL_READS`` reads of the block, 2 FLOPs per element each).
+* ``packing``: each side's factor and root share one tensor, so the root is formed from its
+  triangle for the direction and the new factor's triangle is written back into the pair
+  (``PACKING_PASSES`` fp32 passes over each side per step).
 * ``vectors``: Adam on the 1-D parameters.
 * ``commit`` (eager only): the step commits its candidate state with
   ``torch.where(bad, old, new, out=old)``, so a step with a non-finite value is skipped on
@@ -94,11 +99,15 @@ from _roofline_counts import (
     newton_root_elementwise_flops,
     newton_root_flops,
     newton_root_gemm_bytes,
+    packing_bytes,
+    spectral_grafting_bytes,
+    spectral_grafting_flops,
     statistics_bytes,
     statistics_flops,
     vector_bytes_per_element,
     vector_elements,
 )
+from _stamp import stamp
 from _state_bytes import block_state_bytes
 from common import format_columns, write_json
 
@@ -187,7 +196,17 @@ class Part:
         return "memory" if self.memory_ms >= 0.5 * self.ms else "compute"
 
 
-PART_NAMES = ("statistics", "direction", "elementwise", "vectors", "root matmuls", "root elementwise", "commit")
+PART_NAMES = (
+    "statistics",
+    "direction",
+    "elementwise",
+    "grafting norm",
+    "packing",
+    "vectors",
+    "root matmuls",
+    "root elementwise",
+    "commit",
+)
 
 
 def dash_parts(
@@ -204,6 +223,10 @@ def dash_parts(
             elementwise_flops, n * block_elementwise_bytes(rows, cols, column.param_bytes), fp32, bw
         )
         parts["commit"].add(0.0, n * block_commit_bytes(rows, cols), fp32, bw)
+        parts["grafting norm"].add(
+            n * spectral_grafting_flops(rows, cols), n * spectral_grafting_bytes(rows, cols), fp32, bw
+        )
+        parts["packing"].add(0.0, n * packing_bytes(rows, cols), fp32, bw)
     parts["vectors"].add(
         vectors * VECTOR_ELEMENTWISE_FLOPS, vectors * vector_bytes_per_element(column.param_bytes), fp32, bw
     )
@@ -414,7 +437,11 @@ def main(argv: list[str] | None = None) -> dict:
         "f: roots every f steps, amortised; GB: HBM bytes per step; x AdamW: DASH ms / AdamW ms in the same column.\n"
         "eigh (what auto picks on CPU) is not modelled; eigh_break_even_ms in the JSON is what one eigh must beat."
     )
-    report = {"assumptions": assumptions(H100_SXM), "records": [asdict(record) for record in records]}
+    report = {
+        "computed": stamp(torch.device("cpu")),  # where and when the model was evaluated, at which commit
+        "assumptions": assumptions(H100_SXM),
+        "records": [asdict(record) for record in records],
+    }
     print(f"\nwrote {write_json(args.out / RESULTS_NAME, report)}")
     return report
 

@@ -103,3 +103,21 @@ def test_report_layout_and_ratios(tmp_path):
     # Roots amortised over f: their FLOPs shrink ten-fold, the rest stays.
     roots = {f: next(p["gflop"] for p in by_f[(f, "tf32")]["parts"] if p["name"] == "root matmuls") for f in (1, 10)}
     assert roots[10] == pytest.approx(roots[1] / 10)
+
+
+def test_spectral_grafting_reads_are_the_products_the_package_takes(monkeypatch):
+    """``SPECTRAL_READS`` is how many products over a whole block one spectral graft takes, counted by
+    running the package's own ``graft_spectral`` with ``torch.linalg.vecdot`` watched."""
+    from lightning_dash.optim.step import grafting
+
+    operands = []
+    vecdot = torch.linalg.vecdot
+
+    def watched(blocks, vectors, **options):
+        operands.append(tuple(blocks.shape))
+        return vecdot(blocks, vectors, **options)
+
+    monkeypatch.setattr(torch.linalg, "vecdot", watched)
+    grafting.graft_spectral(torch.randn(3, 8, 5), torch.randn(3, 8, 5))
+    assert operands == [(3, 8, 5)] * counts.SPECTRAL_READS
+    assert counts.spectral_grafting_flops(8, 5) == 2 * counts.SPECTRAL_READS * 8 * 5

@@ -1,7 +1,7 @@
 """The stamp every GPU record carries: the date, the commit and the device as torch names it.
 
 The device machine receives a copy of the working tree without its git history, so the commit
-comes from ``DASH_COMMIT`` when set (``benchmarks/device/device_checks.sh`` sets it from the file the
+comes from ``DASH_COMMIT`` when set (``benchmarks/device_checks.sh`` sets it from the file the
 launcher writes), else from ``git rev-parse HEAD``, else it is null.
 """
 

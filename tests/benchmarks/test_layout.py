@@ -1,5 +1,6 @@
 """The layout of ``benchmarks/``: one folder per question, each script named in its folder's README,
-and at the top only the folders, the README and the modules that scripts of several folders share."""
+and at the top only the folders, the README, the modules that scripts of several folders share and
+the lent GPU machine's two entry points."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ SHARED = {
     "_shampoo_loop.py",
     "_state_bytes.py",
 }
+#: The lent GPU machine's entry points: they run the scripts of several folders.
+DEVICE_SCRIPTS = {"device_checks.sh", "prepare_device.sh"}
 IMPORT = re.compile(r"^\s*(?:from|import) (\w+)", re.M)
 
 
@@ -50,7 +53,7 @@ def imports(path: Path) -> set[str]:
 
 
 def test_the_top_level_holds_only_the_folders_the_readme_and_the_shared_modules():
-    assert entries(BENCHMARKS) == FOLDERS | SHARED | {"README.md"}
+    assert entries(BENCHMARKS) == FOLDERS | SHARED | DEVICE_SCRIPTS | {"README.md"}
     for folder in FOLDERS:
         assert (BENCHMARKS / folder).is_dir()
 
@@ -63,12 +66,18 @@ def test_the_readme_maps_every_folder_and_lists_every_shared_module():
         assert names_file(readme, name), name
 
 
-@pytest.mark.parametrize("folder", sorted(FOLDERS))
+@pytest.mark.parametrize("folder", sorted(FOLDERS - {"device"}))
 def test_every_script_is_named_in_its_folders_readme(folder):
     readme = (BENCHMARKS / folder / "README.md").read_text()
     assert scripts(folder), f"benchmarks/{folder}/ has no script"
     missing = [name for name in scripts(folder) if not names_file(readme, name)]
     assert not missing, f"benchmarks/{folder}/README.md does not name {missing}"
+
+
+def test_the_device_readme_names_the_entry_points_and_device_keeps_no_script():
+    readme = (BENCHMARKS / "device" / "README.md").read_text()
+    assert all(names_file(readme, f"benchmarks/{name}") for name in DEVICE_SCRIPTS)
+    assert not scripts("device")
 
 
 def test_shared_modules_serve_several_folders_and_helpers_one():

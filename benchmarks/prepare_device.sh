@@ -2,9 +2,9 @@
 # Prepares .device/ (git-ignored) for a call on a lent GPU machine, which reaches no package index and
 # receives the working tree without its history: Meta's Distributed Shampoo installed from ../shared/peers
 # into .device/site, and the commit the tree is at in .device/commit. Name .device in the call's carry;
-# benchmarks/device/device_checks.sh reads both.
+# benchmarks/device_checks.sh reads both.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 rm -rf .device
 mkdir -p .device/site

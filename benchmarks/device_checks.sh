@@ -7,7 +7,7 @@
 #    DASH (defaults, from AdamW's tuned lr) against AdamW, Muon and Meta's Distributed Shampoo;
 # 4. the CUDA tests of the optimizer; 5. memory/state_memory.py on CUDA.
 # Uses the machine's python3 and torch, nothing from a package index. Meta's Distributed Shampoo comes
-# from .device/site (benchmarks/device/prepare_device.sh installs it there and records the commit; carry .device).
+# from .device/site (benchmarks/prepare_device.sh installs it there and records the commit; carry .device).
 # Results go to $OUT when it is set (all in one folder), else to the results/ folder beside each script.
 # Each part has its own time limit, so one that hangs costs only its own.
 set -uo pipefail

@@ -14,6 +14,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -25,6 +26,17 @@ def one_thread_after_each_test():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     assert threads == 1, f"the test left torch.get_num_threads() at {threads}: forked ranks would hang"
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_after_each_test():
+    """End the default process group a test leaves in this process: Fabric keeps the one its
+    strategies start (one process, world size 1), and the ranks of a later test, forked from this
+    process, would inherit it and fail to start their own ("initialize the default process group
+    twice")."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 sys.path.insert(0, str(Path(__file__).parent))

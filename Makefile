@@ -1,18 +1,21 @@
 # Entry points: `make demo` runs the main job (`make demo-quick`: a one-minute version), `make test` runs
 # the test suite, `make lint` runs ruff, `make docs` builds the documentation.
 # Each creates its virtual environments on first use: .venv (newest torch, Lightning)
-# and, for the Composer tests, .venv-composer (Composer pins torch < 2.7.1).
+# and, for the Composer tests, .venv-composer (Composer pins torch < 2.7.1); for the torchtitan tests,
+# .venv-torchtitan (torchtitan brings datasets, tensorboard, wandb and triton, about 2.5 GB).
 PYTHON ?= python3
 VENV ?= .venv
 COMPOSER_VENV ?= .venv-composer
+TITAN_VENV ?= .venv-torchtitan
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 CPY := $(COMPOSER_VENV)/bin/python
+TPY := $(TITAN_VENV)/bin/python
 
 # Peer optimizers that are not on the package registry (benchmarks only; see ../shared/peers/README.md).
 PEER_TARBALL := $(lastword $(sort $(wildcard ../shared/peers/torch-shampoo-*.tar.gz)))
 
-.PHONY: demo demo-quick docs package test test-fast test-lightning test-composer lint bench bench-step bench-peers bench-families clean
+.PHONY: demo demo-quick docs package test test-fast test-lightning test-composer test-torchtitan lint bench bench-step bench-peers bench-families clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +36,14 @@ $(COMPOSER_VENV)/.installed: pyproject.toml
 	$(CPY) -m pip install --quiet -e ".[composer,lightning,dev]"
 	touch $@
 
-test: test-lightning test-composer
+$(TITAN_VENV)/.installed: pyproject.toml
+	test -x $(TPY) || $(PYTHON) -m venv $(TITAN_VENV)
+	$(TPY) -m pip install --quiet --upgrade pip
+	$(TPY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(TPY) -m pip install --quiet -e ".[torchtitan,dev]"
+	touch $@
+
+test: test-lightning test-composer test-torchtitan
 
 # Tests run in parallel worker processes (pytest-xdist), one per CPU up to TEST_WORKERS: most tests use
 # one core, and the multi-process ones pin their ranks to one thread each. TEST_WORKERS=0 runs them in one.
@@ -53,6 +63,10 @@ test-fast: $(VENV)/.installed
 test-composer: $(COMPOSER_VENV)/.installed
 	$(CPY) -m pytest -q $(XDIST) $(if $(XDIST),--dist loadfile) tests/with_composer
 	$(CPY) -m pytest -q tests/trainers/test_option_refusals.py -k composer
+
+# DASH in torchtitan's optimizers container, on its own FSDP2 and tensor-parallel Llama (4 gloo ranks).
+test-torchtitan: $(TITAN_VENV)/.installed
+	$(TPY) -m pytest -q $(XDIST) $(if $(XDIST),--dist loadfile) tests/with_torchtitan
 
 # The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.
 docs: $(VENV)/.installed
@@ -101,4 +115,4 @@ bench-families: $(VENV)/.installed
 	$(PY) benchmarks/races/families.py --timing 1
 
 clean:
-	rm -rf $(VENV) $(COMPOSER_VENV) .pytest_cache site
+	rm -rf $(VENV) $(COMPOSER_VENV) $(TITAN_VENV) .pytest_cache site

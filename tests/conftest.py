@@ -46,5 +46,9 @@ pytest_plugins = ["helpers.interrupts"]
 
 # The Composer tests run in their own environment (Composer pins an older torch); the
 # README's test command runs them there with `pytest tests/with_composer`.
-if importlib.util.find_spec("composer") is None:
-    collect_ignore = ["with_composer"]
+# The same for torchtitan (`make test-torchtitan`, in .venv-torchtitan).
+collect_ignore = [
+    lane
+    for lane, package in (("with_composer", "composer"), ("with_torchtitan", "torchtitan"))
+    if importlib.util.find_spec(package) is None
+]

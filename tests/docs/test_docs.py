@@ -41,6 +41,8 @@ def test_every_block_has_a_known_language_and_marker():
 def test_python_block_runs(block, tmp_path):
     if block.marker == "composer":
         pytest.skip("needs Composer: runs in the Composer lane (tests/with_composer/test_docs_composer.py)")
+    if block.marker == "torchtitan":
+        pytest.skip("needs torchtitan: runs in the torchtitan lane (tests/with_torchtitan/test_docs_torchtitan.py)")
     if block.marker == "gpu" and not torch.cuda.is_available():
         pytest.skip("marked <!-- docs-test: gpu -->: needs a CUDA device")
     result = run_python(block, tmp_path)

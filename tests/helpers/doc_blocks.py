@@ -5,6 +5,7 @@ markers) may say how the tests treat it:
 
 - ``<!-- docs-test: gpu -->``: needs a CUDA device; skipped without one.
 - ``<!-- docs-test: composer -->``: needs Composer; runs in the Composer lane only.
+- ``<!-- docs-test: torchtitan -->``: needs torchtitan; runs in the torchtitan lane only.
 
 Python blocks are complete programs and run as they are, each in a fresh process in an
 empty directory. Shell blocks are checked command by command (see :func:`check_command`).
@@ -32,7 +33,7 @@ DOC_FILES = [
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
 MARKER = re.compile(r"<!-- docs-test: (?P<marker>[\w-]+) -->")
 SNIPPET_MARKER = re.compile(r"<!-- --8<-- \[(start|end):[\w-]+\] -->")
-MARKERS = {"gpu", "composer"}
+MARKERS = {"gpu", "composer", "torchtitan"}
 
 
 @dataclass(frozen=True)

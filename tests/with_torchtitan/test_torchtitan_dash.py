@@ -4,7 +4,6 @@ does, resumes on another mesh as if uninterrupted, and refuses a wrong setting w
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 
@@ -39,20 +38,23 @@ def assert_same(parameters: dict[str, torch.Tensor], reference: dict[str, torch.
 @pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["fsdp4", "fsdp2-tp2"])
 def test_parallelised_llama_steps_as_one_process(tensor_parallel, reference, tmp_path):
     out = tmp_path / "parameters.pt"
-    spawn(lambda rank, world: train(rank, world, tensor_parallel, range(STEPS), out), 4, tmp_path)
+    spawn(lambda rank, world: train(rank, world, tensor_parallel, range(STEPS), out, tmp_path), 4, tmp_path)
     assert_same(torch.load(out), reference)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)], ids=["fsdp4-to-tp2", "tp2-to-fsdp4"])
 def test_checkpoint_resumes_on_another_mesh_as_if_uninterrupted(before, after, reference, tmp_path):
+    """Saved by torchtitan's checkpoint manager at step 5 on one mesh, loaded by it on the other."""
     half = STEPS // 2
-    first = tmp_path / "first" / "parameters.pt"
-    first.parent.mkdir()
-    spawn(lambda rank, world: train(rank, world, before, range(half), first, save_at=half), 4, tmp_path / "first")
-    second = tmp_path / "second.pt"
-    resume = functools.partial(train, load=first.parent / "checkpoint")
-    spawn(lambda rank, world: resume(rank, world, after, range(half, STEPS), second), 4, tmp_path)
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    ranks = {run: tmp_path / run for run in ("saving", "resuming")}  # each run's rendezvous file
+    for folder in ranks.values():
+        folder.mkdir()
+    spawn(
+        lambda rank, world: train(rank, world, before, range(half), first, tmp_path, save_at=half), 4, ranks["saving"]
+    )
+    spawn(lambda rank, world: train(rank, world, after, range(half, STEPS), second, tmp_path), 4, ranks["resuming"])
     assert_same(torch.load(second), reference)
 
 

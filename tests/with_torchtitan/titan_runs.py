@@ -1,7 +1,7 @@
 """torchtitan's Llama debug model, parallelised by torchtitan's own functions on gloo CPU ranks and
 stepped by DASH through :class:`~lightning_dash.torchtitan.DashOptimizersContainer` on seeded
-gradients, as one process would step it; and the same saved and resumed through
-``torch.distributed.checkpoint``, which torchtitan's checkpointer writes with."""
+gradients, as one process would step it; and the same saved and resumed by torchtitan's own
+checkpoint manager."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.optimizer import ParamGroupConfig
@@ -100,11 +99,6 @@ def step(model: nn.Module, optimizers: DashOptimizersContainer, number: int) -> 
     optimizers.zero_grad()
 
 
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters by name, sharing their storage (a checkpoint loads into them in place)."""
-    return {name: param.detach() for name, param in model.named_parameters()}
-
-
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
@@ -121,26 +115,49 @@ def one_process(steps: int) -> dict[str, torch.Tensor]:
     return full_parameters(model)
 
 
+def checkpointer(model: nn.Module, optimizers: DashOptimizersContainer, folder: Path):
+    """torchtitan's own checkpoint manager over the model, the container and a constant lr schedule."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    schedulers = LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=None).build(
+        optimizers=optimizers, training_steps=100
+    )
+    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False)
+    return CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+
+
 def train(
     rank: int,
     world_size: int,
     tensor_parallel: int,
     steps: range,
     out: Path,
-    load: Path | None = None,
+    folder: Path,
     save_at: int | None = None,
 ) -> None:
-    """Steps ``steps`` on the parallelised model, from the checkpoint at ``load`` if given, saving one at
-    ``save_at``; rank 0 writes the final whole parameters to ``out``."""
+    """Steps ``steps`` on the parallelised model, first resuming from torchtitan's checkpoint in
+    ``folder`` at the first step's number if it is not 0, saving one at ``save_at``; rank 0 writes
+    the final whole parameters to ``out``."""
     model = parallelise(debug_model(tensor_parallel), world_size, tensor_parallel)
     optimizers = container(model)
-    if load is not None:
-        dcp.load({"model": weights(model), "optimizer": optimizers}, checkpoint_id=str(load))
+    manager = checkpointer(model, optimizers, folder)
+    if steps.start > 0:
+        assert manager.load(step=steps.start)
     for number in steps:
         step(model, optimizers, number)
         if save_at is not None and number + 1 == save_at:
-            state = {"model": weights(model), "optimizer": optimizers}
-            dcp.save(state, checkpoint_id=str(out.parent / "checkpoint"))
+            assert manager.save(curr_step=save_at)
+    manager.close()
     parameters = full_parameters(model)
     if rank == 0:
         torch.save(parameters, out)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from helpers.spawning import spawn
-from titan_runs import container, debug_model, one_process, train
+from titan_runs import container, debug_model, one_process, seeded, train
 from torchtitan.components.optimizer import ParamGroupConfig
 
 from lightning_dash import DASH
@@ -126,3 +126,37 @@ def test_lr_schedule_reaches_dash_and_its_figures_reach_the_metrics():
     assert rates == pytest.approx([1e-3 * (k + 1) / 4 for k in range(3)])  # linear warm-up: (t + 1) / warmup_steps
     figures = optimizers.metrics()
     assert figures["dash/preconditioned_blocks"] > 0 and figures["dash/nonfinite_grad_skips"] == 0
+
+
+def test_tied_embedding_and_frozen_layer_as_users_write_them():
+    """torchtitan's own weight tying (the output layer is the embedding) and a frozen projection: the
+    tied weight sits once in the AdamW group and steps as ``torch.optim.AdamW`` steps it, the frozen
+    one stays as it is, and DASH takes every other trainable parameter."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from lightning_dash.torchtitan.config_registry import dash_optimizers
+
+    config = llama3_debugmodel()
+    config.model_spec.model.enable_weight_tying = True
+    config.model_spec.model.update_from_config(config=config)
+    model = config.model_spec.model.build()
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    frozen = model.get_parameter("layers.0.attention.wo.weight").requires_grad_(False)
+    frozen_before = frozen.detach().clone()
+    optimizers = dash_optimizers(lr=1e-2, block_size=128).build(model_parts=[model])
+    by_kind = {type(optimizer).__name__: optimizer for optimizer in optimizers.optimizers}
+    assert by_kind["AdamW"].param_groups[0]["param_names"] == ["tok_embeddings.weight"]
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert set(by_kind["DASH"].param_groups[0]["param_names"]) == trainable - {"tok_embeddings.weight"}
+
+    tied = model.tok_embeddings.weight
+    expected = tied.detach().clone().requires_grad_(True)
+    adamw = torch.optim.AdamW([expected], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = seeded("grad", param.shape, str(param.shape), 1e-3)
+    expected.grad = tied.grad.clone()
+    optimizers.step()
+    adamw.step()
+    torch.testing.assert_close(tied.detach(), expected.detach())
+    assert torch.equal(frozen.detach(), frozen_before)

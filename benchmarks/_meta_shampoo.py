@@ -124,9 +124,7 @@ def build_meta_shampoo(
     """
     from distributed_shampoo import (
         AdamPreconditionerConfig,
-        DistributedShampoo,
         RootInvShampooPreconditionerConfig,
-        WeightDecayType,
     )
 
     # The default amortized computation of RootInvShampooPreconditionerConfig is its
@@ -134,19 +132,45 @@ def build_meta_shampoo(
     preconditioner = RootInvShampooPreconditionerConfig(
         inverse_exponent_override=exponent_override(root_order, precondition_vectors)
     )
+    return distributed_shampoo(
+        params,
+        lr=lr,
+        betas=betas,
+        epsilon=epsilon,
+        block_size=block_size,
+        precondition_frequency=precondition_frequency,
+        beta3=beta3(betas[0], nesterov),
+        grafting_config=AdamPreconditionerConfig(beta2=grafting_beta2, epsilon=grafting_epsilon),
+        preconditioner_config=preconditioner,
+    )
+
+
+def distributed_shampoo(
+    params: Iterable[Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    epsilon: float,
+    block_size: int,
+    precondition_frequency: int,
+    **config: object,
+) -> torch.optim.Optimizer:
+    """``DistributedShampoo`` with what every builder here shares: decoupled weight decay (0; the race
+    sets its own on the groups), blocks of ``block_size``, and preconditioning from the first step
+    Meta accepts; ``config``: the rest of its options (preconditioner, grafting, ``beta3``)."""
+    from distributed_shampoo import DistributedShampoo, WeightDecayType
+
     return DistributedShampoo(
         params,
         lr=lr,
         betas=betas,
-        beta3=beta3(betas[0], nesterov),
         epsilon=epsilon,
         weight_decay=0.0,
         weight_decay_type=WeightDecayType.DECOUPLED,
         max_preconditioner_dim=block_size,
         precondition_frequency=precondition_frequency,
         start_preconditioning_step=start_preconditioning_step(precondition_frequency),
-        grafting_config=AdamPreconditionerConfig(beta2=grafting_beta2, epsilon=grafting_epsilon),
-        preconditioner_config=preconditioner,
+        **config,
     )
 
 
@@ -170,11 +194,9 @@ def build_meta_eigenvalue_corrected(
     (``ignored_basis_change_dims={1: [0]}``): they follow Adam, as DASH's vectors do.
     """
     from distributed_shampoo import (
-        DistributedShampoo,
         EigenvalueCorrectedShampooPreconditionerConfig,
         EighEigendecompositionConfig,
         QREigendecompositionConfig,
-        WeightDecayType,
     )
 
     if eigenbasis not in EIGENBASIS_SOLVERS:
@@ -183,15 +205,12 @@ def build_meta_eigenvalue_corrected(
     preconditioner = EigenvalueCorrectedShampooPreconditionerConfig(
         amortized_computation_config=solver, ignored_basis_change_dims={1: [0]}
     )
-    return DistributedShampoo(
+    return distributed_shampoo(
         params,
         lr=lr,
         betas=betas,
         epsilon=epsilon,
-        weight_decay=0.0,
-        weight_decay_type=WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=block_size,
+        block_size=block_size,
         precondition_frequency=precondition_frequency,
-        start_preconditioning_step=start_preconditioning_step(precondition_frequency),
         preconditioner_config=preconditioner,
     )

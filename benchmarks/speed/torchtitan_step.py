@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = results_parser(__doc__.splitlines()[0], RESULTS_DIR, "cpu", "the device (cpu only)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     model = debug_model()
     generator = torch.Generator().manual_seed(1)
     grads = {name: torch.randn(param.shape, generator=generator) * 1e-2 for name, param in model.named_parameters()}

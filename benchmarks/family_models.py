@@ -366,6 +366,10 @@ class Family:
     adamw_lrs: tuple[float, ...]
     betas: tuple[float, float] = (0.9, 0.999)
     starting_point: Callable[[nn.Module], None] | None = None
+    #: Lightning's ``gradient_clip_val`` for both contenders (None: no clipping)
+    gradient_clip_val: float | None = None
+    #: a second validation measure recorded beside the loss (for classifiers, accuracy), or None
+    metric: Callable[[nn.Module, Batch], Tensor] | None = None
 
     def module(self, lr: float, seed: int) -> FamilyModule:
         """The LightningModule with weights from ``seed`` (the global RNG is left as it was)."""

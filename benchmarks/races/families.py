@@ -4,7 +4,9 @@ Every family of :mod:`family_models` (a CNN on images, a GRU, GPT pretraining, G
 from a checkpoint, a residual MLP on tabular data of 350 and of 3,500 rows, an embedding-heavy
 bag-of-words classifier, a mixture-of-experts transformer with 3-D expert weights, a Hugging Face
 GPT-2), and the five of :mod:`family_models_wider` (an encoder-decoder transformer, a U-Net, a
-Hugging Face BERT classifier, the GPT at 3x its steps, the GRU at a hotter lr) is a
+Hugging Face BERT classifier, the GPT at 3x its steps, the GRU at a hotter lr) and the six of
+:mod:`family_models_sensitive` (recurrent models at a high lr, one with gradient clipping, and classifiers
+whose validation loss comes from a few confident errors, which also record their accuracy) is a
 LightningModule whose ``configure_optimizers`` returns AdamW with warm-up + cosine. It is
 trained through ``lightning.Trainer`` twice per seed: once as it is, once with
 ``strategy=DashStrategy(**variant)`` added (``{}``: DASH's defaults), nothing else changed.
@@ -50,6 +52,7 @@ from _families_report import table, timing_table  # noqa: E402
 from common import format_columns, markdown_table, write_json  # noqa: E402
 from family_models import FAMILIES as FIRST_FAMILIES  # noqa: E402
 from family_models import Family  # noqa: E402
+from family_models_sensitive import SENSITIVE  # noqa: E402
 from family_models_wider import WIDER  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
@@ -59,8 +62,8 @@ from lightning_dash.showcase.quiet import quiet_third_party_output  # noqa: E402
 #: The default output folder: this folder's results/.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-#: The first nine families and the five of :mod:`family_models_wider`.
-FAMILIES: dict[str, Family] = {**FIRST_FAMILIES, **WIDER}
+#: The first nine families, the five of :mod:`family_models_wider` and the six of :mod:`family_models_sensitive`.
+FAMILIES: dict[str, Family] = {**FIRST_FAMILIES, **WIDER, **SENSITIVE}
 
 #: DASH variants every run of the suite includes: DASH's defaults, and version 0.4's defaults by name (as
 #: near as today's DASH gets: 0.4 also stepped 1-D parameters at 8x the lr, which ``lr_scale`` no longer does).
@@ -99,6 +102,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         devices=1,
         strategy=strategy,
         max_steps=steps,
+        gradient_clip_val=family.gradient_clip_val,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -116,6 +120,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "optimizer": type(optimizer).__name__,
         "initial_val": tracker.initial,
         "final_val": final if math.isfinite(final) else None,
+        "final_metric": evaluate(module, tracker.batches, family.metric) if family.metric is not None else None,
         "diverged": diverged,
         "curve": tracker.curve,
         "train_s": sum(tracker.step_s),
@@ -133,14 +138,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def evaluate(module: torch.nn.Module, batches: list) -> float:
-    """Mean validation loss (weighted by batch rows), in eval mode, without gradients."""
+def evaluate(module: torch.nn.Module, batches: list, metric: Any = None) -> float:
+    """Mean validation loss, or ``metric(net, batch)`` when given (weighted by batch rows), in eval mode,
+    without gradients."""
     was_training = module.training
     module.eval()
     total, rows = 0.0, 0
     with torch.no_grad():
         for batch in batches:
-            total += float(module.loss(batch)) * batch[0].shape[0]
+            value = module.loss(batch) if metric is None else metric(module.net, batch)
+            total += float(value) * batch[0].shape[0]
             rows += batch[0].shape[0]
     module.train(was_training)
     return total / rows

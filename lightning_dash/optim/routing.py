@@ -24,6 +24,7 @@ Composer algorithm describe the model they train; in plain PyTorch, pass
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,15 @@ CONVOLUTION = "convolution"
 PreconditionRule = str | frozenset[str] | Callable[[str, Tensor], bool]
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+#: Names of parameters that a module holds itself (not through a layer such as ``nn.Embedding``) and that
+#: are embeddings all the same: learned position tables (``position``, ``pos_embed``, ``wpe``, ...) and
+#: class, register or mask tokens. Each row or token is added to the activations, never multiplied into
+#: them, as an embedding's rows are; matched against the attribute's own name, case-insensitively.
+TABLE_NAMES = re.compile(
+    r"(pos|position|positional|absolute_pos)(_?(emb|embed|embeds|embedding|embeddings|encoding|encodings|table))?"
+    r"|wpe|cls_token|class_token|reg_token|register_tokens|dist_token|mask_token",
+    re.IGNORECASE,
+)
 #: Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``): a model with one is routed ``all_matrices`` by ``auto``.
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 
@@ -69,9 +79,10 @@ class ModelParameters:
 
 def describe_model(model: nn.Module) -> ModelParameters:
     """Names and roles of ``model``'s parameters: ``nn.Embedding``/``nn.EmbeddingBag``
-    weights are embeddings, convolution weights convolutions, and the weight of the
-    last ``nn.Linear`` in registration order is the output layer (a weight shared with
-    an embedding has both roles); an ``nn.RNN``/``nn.GRU``/``nn.LSTM`` (or one of their
+    weights are embeddings, and so are the tables a module holds as bare parameters under a
+    position-table or token name (:data:`TABLE_NAMES`); convolution weights are convolutions, and
+    the weight of the last ``nn.Linear`` in registration order is the output layer (a weight shared
+    with an embedding has both roles); an ``nn.RNN``/``nn.GRU``/``nn.LSTM`` (or one of their
     cells) makes the model recurrent."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the nn.Module being trained (or None), got {type(model).__name__}")
@@ -87,6 +98,10 @@ def describe_model(model: nn.Module) -> ModelParameters:
             roles.setdefault(id(module.weight), set()).add(CONVOLUTION)
         elif isinstance(module, nn.Linear):
             last_linear = module
+        else:
+            for attribute, param in module.named_parameters(recurse=False):
+                if TABLE_NAMES.fullmatch(attribute):
+                    roles.setdefault(id(param), set()).add(EMBEDDING)
     if last_linear is not None:
         roles.setdefault(id(last_linear.weight), set()).add(OUTPUT)
     recurrent = any(isinstance(module, _RECURRENT) for module in model.modules())

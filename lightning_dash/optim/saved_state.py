@@ -29,15 +29,18 @@ from lightning_dash.optim.stacks.state import (
 LAYOUT_OPTIONS = ("block_size", "inverse_root_method")
 #: Optimizer-wide options that shape the step, carried under ``"dash"`` (since version 0.5): a resumed
 #: run whose optimizer has other values is told which, and what to pass to keep the checkpoint's.
-NUMERICS_OPTIONS = ("root_order", "nesterov", "lr_scale", "grafting_norm")
-#: What a checkpoint written before an option was recorded trained with (version 0.5 saved no grafting_norm).
-UNRECORDED_NUMERICS = {"grafting_norm": "frobenius"}
+NUMERICS_OPTIONS = ("root_order", "nesterov", "lr_scale", "grafting_norm", "root_schedule", "eigh_dtype")
+#: What a checkpoint written before an option was recorded trained with (version 0.5 saved no grafting_norm,
+#: 0.6 no root_schedule or eigh_dtype; 0.5 decomposed in float32, 0.6 in float64).
+UNRECORDED_NUMERICS = {"grafting_norm": "frobenius", "root_schedule": "from_start", "eigh_dtype": "float64"}
 #: What version 0.4 used for them (``lr_scale`` 8 for optimizers converted from Adam or AdamW).
 VERSION_04_NUMERICS = {
     "root_order": 2,
     "nesterov": True,
     "lr_scale": "8.0 if converted from Adam/AdamW, else 1.0",
     "grafting_norm": "'frobenius'",
+    "root_schedule": "'from_start'",
+    "eigh_dtype": "'float32'",
 }
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dash import DashConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared modules
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "races"))
 
@@ -123,7 +125,7 @@ def test_tiny_race_records_and_scores(tmp_path):
     # DASH from AdamW's recipe: AdamW's best lr, DASH's defaults, as the optimizer resolved them.
     dash = next(r for r in records if r["optimizer"] == "dash")
     assert dash["lr"] == best["lr"] and dash["options"]["block_size"] == 1024
-    assert dash["options"]["lr_scale"] == 1.0 and dash["options"]["precondition_frequency"] >= 1
+    assert dash["options"]["lr_scale"] == DashConfig().lr_scale and dash["options"]["precondition_frequency"] >= 1
     muon = next(r for r in records if r["optimizer"] == "muon")
     assert muon["options"]["adamw_lr"] == best["lr"]
     # AdamW keeps two float32 moments per parameter (and a step counter per tensor).

@@ -51,7 +51,7 @@ class ReferenceDash:
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
-    epsilon: float = 1e-3
+    epsilon: float = 3e-5
     relative_epsilon: bool = True
     weight_decay: float = 0.0
     block_size: int = 1024
@@ -60,13 +60,16 @@ class ReferenceDash:
     grafting: str = "adam"
     grafting_beta2: float = 0.95
     grafting_epsilon: float = 1e-8
-    grafting_norm: str = "spectral"  # the Shampoo step takes Adam's largest singular value; or "frobenius"
+    grafting_norm: str = "frobenius"  # the Shampoo step takes Adam's Frobenius norm; or "spectral"
     root_order: int = 2
     nesterov: bool = True
-    lr_scale: float = 1.0
+    lr_scale: float = 2.0
     root_delay: int = 0
     factor_bias_correction: bool = True  # False: damp the raw factor averages
-    root_schedule: str = "from_start"  # "multiples": roots at start, then at every multiple of the frequency
+    # "doubling": roots at start and whenever the block has seen twice the gradients it had at the last roots,
+    # until that is a full period away, then every period; "from_start": at start, then every period;
+    # "multiples": at start, then at every multiple of the frequency
+    root_schedule: str = "doubling"
     decay_vectors: bool = True  # False: weight decay on matrices only
     state: dict = field(default_factory=dict)
 
@@ -137,6 +140,9 @@ class ReferenceDash:
                 due = t == start or (t > start and t % freq == 0)
             else:
                 due = t >= start and (t - start) % freq == 0
+                seen = t - start + 1  # gradients the factors hold at step t
+                if self.root_schedule == "doubling" and 1 <= seen < freq and math.log2(seen).is_integer():
+                    due = True
             if st["pending"] is not None and (due or t >= st["pending"][0]):
                 _, st["Lr"], st["Rr"] = st["pending"]
                 st["pending"] = None
@@ -159,7 +165,7 @@ class ReferenceDash:
                     shampoo = shampoo * (largest_singular_value(adam) / largest_singular_value(shampoo))
                 elif self.grafting == "adam":
                     shampoo = shampoo * (adam.norm() / shampoo.norm())
-                direction = self.lr_scale * shampoo
+                direction = shampoo if self.grafting == "none" else self.lr_scale * shampoo
             else:
                 direction = adam
             weight[rs, cs] -= self.lr * direction

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from lightning_dash import DASH
+from lightning_dash import DASH, DashConfig
 
 
 def model() -> torch.nn.Module:
@@ -59,7 +59,8 @@ def test_first_step_from_adamw_with_blend_zero_is_adamws_step():
 
 def test_from_adamw_steps_like_plain_dash_at_the_same_lr():
     """One lr meaning: DASH converted from AdamW takes the same steps as DASH built directly with the
-    AdamW's lr and its mapped hyperparameters (grafting gives each block AdamW's step size; no scale)."""
+    AdamW's lr and its mapped hyperparameters (grafting gives each block AdamW's step size, times the same
+    default lr_scale either way)."""
     converted, direct = model(), model()
     lr, decay = 0.01, 0.1
     source = torch.optim.AdamW(converted.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-7, weight_decay=decay)
@@ -67,7 +68,7 @@ def test_from_adamw_steps_like_plain_dash_at_the_same_lr():
     plain = DASH(
         direct.parameters(), lr=lr, betas=(0.9, 0.95), grafting_beta2=0.999, grafting_epsilon=1e-7, weight_decay=decay
     )
-    assert from_adamw.lr_scale == plain.lr_scale == 1.0 and from_adamw.param_groups[0]["lr"] == lr
+    assert from_adamw.lr_scale == plain.lr_scale == DashConfig().lr_scale and from_adamw.param_groups[0]["lr"] == lr
     torch.manual_seed(1)
     for _ in range(4):
         for p, q in zip(converted.parameters(), direct.parameters()):
@@ -108,7 +109,7 @@ def test_lr_scale_of_a_conversion_is_overridable_and_no_source_scales_the_lr():
         torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
         torch.optim.RMSprop(net.parameters()),
     ):
-        assert DASH.from_optimizer(source).lr_scale == 1.0
+        assert DASH.from_optimizer(source).lr_scale == DashConfig().lr_scale
     assert not DASH.from_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)).nesterov
     assert DASH.from_optimizer(torch.optim.AdamW(net.parameters())).nesterov  # DASH's default
 
@@ -150,7 +151,7 @@ def test_the_conversion_logs_what_the_recipe_became(caplog):
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
         "DASH from SGD: grafting sgd, lr 0.1 / 0.01 per group (the recipe's), momentum 0.9, decoupled weight "
-        "decay 0.0005; precondition auto, block_size 4, precondition_frequency 10, lr_scale 1"
+        "decay 0.0005; precondition auto, block_size 4, precondition_frequency 10, lr_scale 2"
     )
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lightning_dash"):

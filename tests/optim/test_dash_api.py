@@ -60,7 +60,8 @@ def test_per_group_learning_rate_weight_decay_and_betas():
 
 
 def test_scheduler_drives_the_step_size():
-    """With SGD grafting in the Frobenius norm and no momentum each step is exactly lr * g in norm per block."""
+    """With SGD grafting in the Frobenius norm and no momentum each step is exactly lr_scale * lr * g in norm
+    per block (lr_scale: its default, 2)."""
     weight = torch.nn.Parameter(torch.zeros(4, 4))
     options = dict(grafting="sgd", grafting_norm="frobenius", block_size=4, epsilon=1e-6)
     opt = DASH([weight], lr=1.0, betas=(0.0, 0.95), **options)
@@ -71,7 +72,7 @@ def test_scheduler_drives_the_step_size():
         weight.grad = grad
         opt.step()
         scheduler.step()
-        torch.testing.assert_close((weight - before).norm(), expected_lr * grad.norm(), rtol=1e-5, atol=0)
+        torch.testing.assert_close((weight - before).norm(), 2.0 * expected_lr * grad.norm(), rtol=1e-5, atol=0)
 
 
 def test_nesterov_changes_the_direction_but_not_the_first_step():

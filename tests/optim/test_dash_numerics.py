@@ -188,7 +188,9 @@ def test_stacking_equals_one_parameter_at_a_time():
 @pytest.mark.parametrize("grafting", ["adagrad", "rmsprop", "sgd"])
 def test_grafting_norm_matches_its_optimizer(grafting, norm):
     """Each block's step has the grafting optimizer's step's norm: Frobenius, or the largest singular
-    value (2 x 2 blocks: the power iteration's estimate is exact to float32 roundoff)."""
+    value (2 x 2 blocks: the power iteration's estimate is exact to float32 roundoff). ``lr_scale=1``: the
+    rule itself (the default of 2 multiplies it, as ``test_full_update_matches_reference_on_odd_shapes``
+    holds against the reference)."""
     grad = controlled_matrix(6, 4, low=0.5, high=2.0, seed=1).float()
     weight = torch.nn.Parameter(torch.zeros(6, 4))
     opt = DASH(
@@ -201,6 +203,7 @@ def test_grafting_norm_matches_its_optimizer(grafting, norm):
         block_size=2,
         epsilon=1e-6,
         grafting_norm=norm,
+        lr_scale=1.0,
     )
     weight.grad = grad
     opt.step()
@@ -276,6 +279,7 @@ def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
         decay_vectors=False,
         nesterov=False,
         grafting_norm="frobenius",
+        lr_scale=1.0,
         **common,
     )
     runs = {
@@ -299,6 +303,11 @@ def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
         ("multiples", 5, 5, [5, 10, 15, 20]),
         ("multiples", 3, 10, [3, 10, 20]),
         ("from_start", 3, 10, [3, 13]),
+        ("doubling", 1, 10, [1, 2, 4, 8, 11, 21]),  # the factors hold 1, 2, 4, 8 gradients, then every 10
+        ("doubling", 3, 10, [3, 4, 6, 10, 13]),
+        ("doubling", 1, 2, [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21]),  # at f <= 2 the same as from_start
+        ("doubling", 1, 1, list(range(1, 23))),
+        ("doubling", 2, 32, [2, 3, 5, 9, 17]),
     ],
 )
 def test_root_schedules_name_the_steps_that_refresh(schedule, start, frequency, due):

@@ -205,22 +205,29 @@ def test_a_checkpoint_records_its_step_shaping_options_and_a_resume_with_others_
     assert other.root_order == 2 and other.lr_scale == 1.0  # this optimizer's options stay
 
 
-def test_a_resume_after_the_grafting_norm_changed_says_so_also_for_a_version_05_checkpoint():
-    """A checkpoint records its grafting norm; one from 0.5, which recorded none, trained with Frobenius
-    grafting, and a resume under the spectral default says so."""
+def test_a_resume_under_other_step_options_says_so_also_for_checkpoints_that_did_not_record_them():
+    """A checkpoint records the options that shape the step. One of version 0.6 (spectral grafting, roots
+    from the start step every f, no record of root_schedule or eigh_dtype) resumed under today's defaults
+    says which differ; one of 0.5, which recorded no grafting norm either, trained with Frobenius grafting;
+    a resume with the checkpoint's values is silent."""
     model = make_model()
-    opt = DASH(model.parameters(), **OPTIONS, grafting_norm="frobenius")
+    opt = DASH(model.parameters(), **OPTIONS, grafting_norm="spectral", root_schedule="from_start")
     train(model, opt, 2)
     saved = opt.state_dict()
-    assert saved["dash"]["grafting_norm"] == "frobenius"
-    for checkpoint in (saved, {**saved, "dash": {k: v for k, v in saved["dash"].items() if k != "grafting_norm"}}):
-        fresh = DASH(model.parameters(), **OPTIONS)
-        with pytest.warns(UserWarning, match=r"trained with grafting_norm='frobenius'; .* grafting_norm='spectral'"):
-            fresh.load_state_dict(checkpoint)
-        kept = DASH(model.parameters(), **OPTIONS, grafting_norm="frobenius")
+    assert (saved["dash"]["grafting_norm"], saved["dash"]["root_schedule"]) == ("spectral", "from_start")
+    version_06 = {**saved, "dash": {k: v for k, v in saved["dash"].items() if k not in ("root_schedule", "eigh_dtype")}}
+    for checkpoint in (saved, version_06):
+        with pytest.warns(UserWarning, match=r"grafting_norm='spectral'.*root_schedule='from_start'.*continues with"):
+            DASH(model.parameters(), **OPTIONS).load_state_dict(checkpoint)
+        kept = DASH(model.parameters(), **OPTIONS, grafting_norm="spectral", root_schedule="from_start")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             kept.load_state_dict(checkpoint)
+    version_05 = {**version_06, "dash": {k: v for k, v in version_06["dash"].items() if k != "grafting_norm"}}
+    with pytest.warns(UserWarning, match=r"trained with grafting_norm='frobenius'.*grafting_norm='spectral'"):
+        DASH(model.parameters(), **OPTIONS, grafting_norm="spectral", root_schedule="from_start").load_state_dict(
+            version_05
+        )
 
 
 def test_a_version_04_checkpoint_names_the_options_that_keep_its_training():
@@ -229,7 +236,7 @@ def test_a_version_04_checkpoint_names_the_options_that_keep_its_training():
     opt = DASH(model.parameters(), **OPTIONS)
     train(model, opt, 2)
     saved = opt.state_dict()
-    for name in ("root_order", "nesterov", "lr_scale", "grafting_norm"):
+    for name in ("root_order", "nesterov", "lr_scale", "grafting_norm", "root_schedule", "eigh_dtype"):
         del saved["dash"][name]
     fresh = DASH(model.parameters(), **OPTIONS)
     with pytest.warns(UserWarning, match=r"0\.4 or older.*lr_scale=8\.0 if converted from Adam/AdamW"):

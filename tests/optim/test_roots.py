@@ -257,3 +257,56 @@ def test_eigh_roots_of_a_spiky_float32_factor_are_float64_accurate():
     eigenvalues, eigenvectors = torch.linalg.eigh(exact)
     expected = (eigenvectors * (eigenvalues + damping[:, None]).pow(-0.5).unsqueeze(1)) @ eigenvectors.transpose(1, 2)
     assert relative_error(result, expected) < 1e-5
+
+
+def test_a_float64_decomposition_resolves_the_tail_a_float32_one_mixes_at_the_default_damping():
+    """A factor whose tail's eigenvalues lie closer together than float32 roundoff of the largest one (gaps
+    of 1e-8 of it, under the default damping of 3e-5): a float32 decomposition turns those eigenvectors into
+    one another, a float64 one does not. Against the float64 formula on the same float32 input, the root
+    from ``eigh_dtype="float64"`` is as close as the float32 rounding of the normalised block allows (6e-8 of
+    the largest eigenvalue moves the tail's by 0.6%; 3.9e-5 of the root, measured), the float32 one 20x
+    further off (7.9e-4)."""
+    size = 64
+    generator = torch.Generator().manual_seed(7)
+    basis, _ = torch.linalg.qr(torch.randn(2, size, size, generator=generator, dtype=torch.float64))
+    tail = 1e-5 + 1e-8 * torch.arange(size - 1, dtype=torch.float64)  # near the damping, gaps of 1e-8
+    values = torch.cat([torch.ones(1, dtype=torch.float64), tail]).expand(2, size)
+    stats = ((basis * values.unsqueeze(1)) @ basis.transpose(1, 2)).float()
+    eps = torch.full((2,), DashConfig().epsilon)
+    exact = stats.double()
+    damping = DashConfig().epsilon * torch.linalg.matrix_norm(exact)
+    eigenvalues, eigenvectors = torch.linalg.eigh(exact)
+    expected = (eigenvectors * (eigenvalues + damping[:, None]).pow(-0.5).unsqueeze(1)) @ eigenvectors.transpose(1, 2)
+    errors = {
+        dtype: relative_error(
+            inverse_root(
+                stats, eps, root_settings(method="eigh", root_order=2, relative_epsilon=True, eigh_dtype=dtype)
+            ).root,
+            expected,
+        )
+        for dtype in (torch.float32, torch.float64)
+    }
+    assert errors[torch.float64] < 1e-4, errors
+    assert errors[torch.float32] > 10 * errors[torch.float64], errors
+
+
+def test_a_float32_decomposition_that_fails_is_taken_again_in_float64():
+    """A stack whose float32 eigendecomposition raises (simulated: torch's eigh refused float32 input) gets
+    the float64 roots, not NaN."""
+    stats, basis, values = spd_stack(2, 8, 1e3)
+    settings = root_settings(method="eigh", root_order=2, eigh_dtype=torch.float32)
+    real = torch.linalg.eigh
+
+    def refuse_float32(matrix, *args, **kwargs):
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("did not converge")
+        return real(matrix, *args, **kwargs)
+
+    torch.linalg.eigh = refuse_float32
+    try:
+        result = inverse_root(stats.float(), torch.full((2,), 1e-3), settings).root
+    finally:
+        torch.linalg.eigh = real
+    expected = inverse_root(stats.float(), torch.full((2,), 1e-3), root_settings(method="eigh", root_order=2)).root
+    assert torch.isfinite(result).all()
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)

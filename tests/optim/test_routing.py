@@ -46,6 +46,41 @@ def test_roles_come_from_the_modules():
     assert describe_model(conv).roles_of(conv[0].weight) == {CONVOLUTION}
 
 
+class TablesAsBareParameters(nn.Module):
+    """Position tables and tokens as vision and language models hold them (bare parameters, one of them
+    3-D), beside a bare matrix that is multiplied into the activations and a real output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(8, 6))
+        self.pos_embed = nn.Parameter(torch.randn(1, 9, 6))
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 6))
+        self.mixing = nn.Parameter(torch.randn(6, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x + self.position[: x.shape[1]]], dim=1)
+        return self.head((hidden + self.pos_embed[:, : hidden.shape[1]]) @ self.mixing)
+
+
+def test_position_tables_and_tokens_held_as_bare_parameters_are_embeddings():
+    """Added to the activations, never multiplied into them: the default routing leaves them to the grafting
+    optimizer, as Muon's recipe does with embeddings, and still preconditions a bare matrix that multiplies."""
+    model = TablesAsBareParameters()
+    described = describe_model(model)
+    assert {name: described.roles_of(p) for name, p in model.named_parameters() if p.dim() > 1} == {
+        "position": {EMBEDDING},
+        "pos_embed": {EMBEDDING},
+        "cls_token": {EMBEDDING},
+        "mixing": frozenset(),
+        "head.weight": {OUTPUT},
+    }
+    views = DASH(model.parameters(), model=model, **OPTIONS).preconditioning()
+    assert {name for name, view in views.items() if view is not None} == {"mixing"}
+    everything = DASH(model.parameters(), model=model, precondition="all_matrices", **OPTIONS).preconditioning()
+    assert everything["position"] == MatrixView(8, 6) and everything["pos_embed"] == MatrixView(9, 6)
+
+
 def test_all_matrices_preconditions_every_matrix_and_stacks_experts():
     model = ToyMoE()
     views = DASH(model.named_parameters(), **OPTIONS).preconditioning()

@@ -86,7 +86,7 @@ def test_first_step_has_the_spectral_norm_of_adams_first_step():
     grad = with_spectrum(24, 24, torch.cat([torch.linspace(4.0, 1.0, 23), torch.tensor([0.25])]), seed=6)
     weight = torch.nn.Parameter(torch.zeros(24, 24))
     weight.grad = grad.float()
-    options = dict(betas=(0.0, 0.95), epsilon=1e-10, inverse_root_method="eigh", grafting_norm="spectral")
+    options = dict(betas=(0.0, 0.95), epsilon=1e-10, inverse_root_method="eigh", grafting_norm="spectral", lr_scale=1.0)
     DASH([weight], lr=0.1, weight_decay=0.0, **options).step()
     step = -weight.detach().double()
     u, s, vh = torch.linalg.svd(grad, full_matrices=False)
@@ -99,13 +99,14 @@ def test_first_step_has_the_spectral_norm_of_adams_first_step():
 
 def test_spectral_grafting_takes_larger_steps_than_frobenius_on_a_low_rank_adam_step():
     """A gradient with a decaying spectrum: Adam's step concentrates in few directions, the whitened
-    Shampoo step spreads evenly, so matching the largest singular value gives the larger step."""
+    Shampoo step (damped at 1e-3, which flattens the 1/s of an undamped single gradient) spreads evenly,
+    so matching the largest singular value gives the larger step."""
     grad = with_spectrum(32, 32, torch.logspace(0, -2, 32), seed=4).float()
     steps = {}
     for norm in ("frobenius", "spectral"):
         weight = torch.nn.Parameter(torch.zeros(32, 32))
         weight.grad = grad.clone()
-        DASH([weight], lr=0.1, betas=(0.0, 0.95), grafting_norm=norm).step()
+        DASH([weight], lr=0.1, betas=(0.0, 0.95), epsilon=1e-3, grafting_norm=norm, lr_scale=1.0).step()
         steps[norm] = weight.detach().norm()
     assert steps["spectral"] > 1.5 * steps["frobenius"]
 

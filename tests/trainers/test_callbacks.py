@@ -156,8 +156,8 @@ def test_blend_zero_takes_exactly_the_adam_step(tmp_path):
         torch.testing.assert_close(after, adam, rtol=1e-6, atol=1e-7)
 
     # Without the schedule (blend 1) the matrices take the grafted Shampoo step instead (grafted in the
-    # Frobenius norm here, so that both steps have the same norm exactly).
-    shampoo = fit(tmp_path, 1, [], TinyModule(grafting_norm="frobenius")).records[0]
+    # Frobenius norm at lr_scale 1 here, so that both steps have the same norm exactly).
+    shampoo = fit(tmp_path, 1, [], TinyModule(grafting_norm="frobenius", lr_scale=1.0)).records[0]
     assert shampoo["blend"] == [1.0, 1.0]
     for k in (1, 3):  # biases: always the grafting step
         torch.testing.assert_close(shampoo["after"][k], grafted["after"][k])

@@ -62,7 +62,8 @@ class RootSettings:
     It carries DASH's options of the same names (``inverse_root_method`` as ``method``,
     ``matrix_scaling`` as ``scaling``, ``root_iterations`` as ``iterations``), whose defaults
     live in :class:`~lightning_dash.optim.DashConfig` alone: build one with
-    ``DashConfig(...).root_settings``. ``tolerance`` (None: :data:`DEFAULT_TOLERANCE` of the
+    ``DashConfig(...).root_settings``. ``eigh_dtype`` is the dtype ``eigh`` decomposes float32
+    statistics in (float64 statistics always in float64). ``tolerance`` (None: :data:`DEFAULT_TOLERANCE` of the
     matmul format) is the Newton solvers' convergence test. ``matmul_precision`` is how float32
     matmuls run (:mod:`lightning_dash.optim.precision`, resolved: never ``"auto"``); it does not
     apply to other dtypes.
@@ -77,6 +78,7 @@ class RootSettings:
     relative_epsilon: bool
     tolerance: float | None = None
     matmul_precision: str = precision.FLOAT32
+    eigh_dtype: torch.dtype = torch.float64
 
     @property
     def matmul_format(self) -> MatmulFormat:

@@ -7,7 +7,7 @@ statistics) together with a per-block residual where one is available for free. 
 block is divided by its own magnitude before any solver sees it, so the roots do not
 depend on the gradients' scale.
 
-* ``eigh``: eigendecomposition in float64; reference quality.
+* ``eigh``: eigendecomposition (in float32 or float64, ``eigh_dtype``); reference quality.
 * ``coupled_newton``: the coupled Newton iteration of Guo and Higham for p in {2, 4}.
 * ``newton_db``: the same coupled iteration (for p = 2 the coupled Newton-Schulz, product
   Denman-Beavers, iteration) with per-step scalings planned on the host from the known
@@ -128,7 +128,7 @@ def inverse_root(
     if matrices.dtype == torch.float64:
         settings = replace(settings, matmul_dtype=torch.float64)
     if settings.method == "eigh":
-        result, residual = eigh(matrices, eps, root), None
+        result, residual = eigh(matrices, eps, root, settings.eigh_dtype), None
     else:
         matrices = add_diagonal(matrices, eps)
         solver_scale = spectral_scale(matrices, settings.scaling)

@@ -69,17 +69,22 @@ def chebyshev(matrices: Tensor, relative_eps: Tensor, settings: RootSettings) ->
 NULL_SPACE_UNITS = 16.0
 
 
-def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
-    """Exact roots from an eigendecomposition taken in float64, with the near-null space of a
-    rank-deficient block treated as exactly null (as a pseudo-inverse does).
+def eigh(matrices: Tensor, eps: Tensor, root: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Exact roots from an eigendecomposition taken in ``dtype`` (float64 statistics: always
+    float64), with the near-null space of a rank-deficient block treated as exactly null (as a
+    pseudo-inverse does).
 
-    The decomposition runs in float64 whatever the statistics' dtype: a float32 one carries
-    an error of about 1e-7 of the block's largest eigenvalue in every eigenvalue, which is
-    a large relative error for the small eigenvalues that the damping lets through, and
-    training amplifies it (on a GRU language model whose factors have one dominant
-    direction, a 1e-7 change of the gradients moved the parameters by 2.1e-4 of their
-    movement after 10 steps with float32 decompositions, 2.0e-5 with float64 ones;
-    ``benchmarks/numerics/roundoff.py``). On a CPU it costs about 1.7x a float32 decomposition.
+    Why float64 by default: a float32 decomposition turns each eigenvector by about 1e-7 of the
+    largest eigenvalue over its gap to the next one. In the deep tail that a small damping lets
+    through, the gaps are that small, so the tail's directions come out mixed, differently for two
+    runs whose gradients differ by roundoff, and training carries the difference on (at
+    ``epsilon`` 1e-5, two data-parallel ranks moved a byte-level GRU by 0.19 of its movement after
+    10 steps with float32 decompositions, 0.010 with float64 ones, torch's Muon 0.043;
+    ``benchmarks/numerics/roundoff.py``). Sharper eigenvalues alone do not help (Rayleigh quotients
+    of float32 eigenvectors, taken in float64, left the 0.19 as it was). On a CPU a float64
+    decomposition costs about 1.7x a float32 one. The root is then assembled in the statistics'
+    dtype, as ``(V s^(1/2)) (V s^(1/2))^T`` (assembled in float64 it moved the same GRU by the same
+    amount, at twice the cost of the product).
 
     Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff of the statistics' dtype
     times the block's largest eigenvalue (about 1e-6 of it for float32 statistics) are
@@ -87,19 +92,23 @@ def eigh(matrices: Tensor, eps: Tensor, root: int) -> Tensor:
     eight such eigenvalues of either sign, and their values differ between two runs whose
     gradients differ by roundoff. Set to zero before ``eps`` is added, they get the root of
     ``eps`` alone in every run, as the exact factor's null space would, so roundoff in the
-    gradients is not amplified by ``eps^(-1/4)``.
+    gradients is not amplified by ``eps^(-1/p)``.
 
-    A stack whose decomposition raises comes back as NaN. Blocks with non-finite roots are
-    left as they are: the optimizer rejects and counts them on the device, and retries them
-    at the next refresh. Nothing here reads a value back (on CUDA, torch's eigh itself
-    checks its error code on the host).
+    A stack whose float32 decomposition raises is decomposed again in float64; one whose float64
+    decomposition raises comes back as NaN. Blocks with non-finite roots are left as they are: the
+    optimizer rejects and counts them on the device, and retries them at the next refresh. Nothing
+    here reads a value back (on CUDA, torch's eigh itself checks its error code on the host).
     """
-    symmetric = symmetrize(matrices).double()
+    symmetric = symmetrize(matrices)
+    work = torch.float64 if matrices.dtype == torch.float64 else dtype
     try:
-        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
-    except RuntimeError:  # torch.linalg.LinAlgError: the float64 decomposition did not converge
-        return torch.full_like(matrices, math.nan)
+        eigenvalues, eigenvectors = torch.linalg.eigh(symmetric.to(work))
+    except RuntimeError:  # torch.linalg.LinAlgError: the decomposition did not converge
+        if work == torch.float64:
+            return torch.full_like(matrices, math.nan)
+        return eigh(matrices, eps, root, torch.float64)
     noise = NULL_SPACE_UNITS * UNIT_ROUNDOFF[matrices.dtype] * eigenvalues[:, -1:].clamp_min(0.0)
     eigenvalues = torch.where(eigenvalues > noise, eigenvalues, torch.zeros_like(eigenvalues))
-    scaled = (eigenvalues + eps.double()[:, None]).pow(-1.0 / root)
-    return ((eigenvectors * scaled.unsqueeze(1)) @ eigenvectors.transpose(1, 2)).to(matrices.dtype)
+    half = (eigenvalues + eps.to(work)[:, None]).pow(-0.5 / root)
+    vectors = (eigenvectors * half.unsqueeze(1)).to(matrices.dtype)
+    return vectors @ vectors.transpose(1, 2)

@@ -172,8 +172,9 @@ def direct_blocks(
     started: bool,
 ) -> Tensor:
     """A stack's update (pure): the Shampoo direction ``L^(-1/p) M R^(-1/p)`` (``p = root_order``)
-    grafted to the grafting optimizer's norm, times ``lr_scale``, blended with the grafting direction
-    where ``use`` (valid roots, started), else the grafting direction alone; times ``-lr``."""
+    grafted to the grafting optimizer's norm times ``lr_scale`` (raw with ``grafting="none"``), blended with
+    the grafting direction where ``use`` (valid roots, started), else the grafting direction alone; times
+    ``-lr``."""
     fallback = grafting_direction(followed, rms, rules.fallback, epsilon, second_term)
     if not started:
         return fallback * neg_lr
@@ -183,7 +184,7 @@ def direct_blocks(
     )
     if rules.grafting != "none":
         shampoo = GRAFTS[rules.grafting_norm](shampoo, fallback)
-    shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo
+        shampoo = shampoo * rules.lr_scale if rules.lr_scale != 1.0 else shampoo
     if isinstance(blend, Tensor) or blend != 1.0:
         shampoo = torch.lerp(fallback, shampoo, blend)
     return torch.where(use[:, None, None], shampoo, fallback) * neg_lr

@@ -29,6 +29,7 @@ from lightning_dash.optim.stacks.blocks import matrix_shape
 from lightning_dash.optim.step.factors import accumulate_factors
 from lightning_dash.optim.step.grafting import GRAFTS, grafting_direction, next_rms
 from lightning_dash.optim.step.rules import UpdateRules, momentum_terms, next_momentum
+from lightning_dash.optim.step.schedule import roots_due
 
 #: The options of :class:`ShampooLoop` that fix how its roots are computed (DashConfig's names).
 ROOT_OPTIONS = (
@@ -111,7 +112,9 @@ class ShampooLoop(torch.optim.Optimizer):
         relative_epsilon: bool = True,
         root_order: int = 2,
         nesterov: bool = True,
-        grafting_norm: str = "spectral",
+        grafting_norm: str = DashConfig().grafting_norm,
+        lr_scale: float = DashConfig().lr_scale,
+        root_schedule: str = DashConfig().root_schedule,
     ) -> None:
         options = dict(locals())
         defaults = {"lr": lr, "betas": betas, "epsilon": epsilon, "weight_decay": weight_decay}
@@ -123,12 +126,14 @@ class ShampooLoop(torch.optim.Optimizer):
         self.grafting_epsilon = grafting_epsilon
         self.rules = UpdateRules("adam", nesterov, bias_correction=True)
         self.graft = GRAFTS[grafting_norm]
+        self.lr_scale = lr_scale
+        self.root_schedule = root_schedule
         # the solver options become RootSettings the way DASH's own configuration makes them
         self.root_settings = DashConfig.build(**{name: options[name] for name in ROOT_OPTIONS}).root_settings
 
     def _roots_due(self, step: int) -> bool:
-        start = self.start_preconditioning_step
-        return step >= start and (step - start) % self.precondition_frequency == 0
+        schedule = {"start_preconditioning_step": self.start_preconditioning_step}
+        return roots_due(step, {**schedule, "precondition_frequency": self.precondition_frequency}, self.root_schedule)
 
     def _root(self, factor: Tensor, scale: Tensor, correction: float, eps: float) -> Tensor:
         """``(scale * factor / correction + d I)^(-1/p)`` by the configured solver on a 1-block stack."""
@@ -206,7 +211,7 @@ class ShampooLoop(torch.optim.Optimizer):
             direction = self._adam_direction(momentum, block.second_moment, step)
             if step >= self.start_preconditioning_step:
                 shampoo = block.left_root @ momentum @ block.right_root
-                grafted = self.graft(shampoo.unsqueeze(0), direction.unsqueeze(0))[0]
+                grafted = self.lr_scale * self.graft(shampoo.unsqueeze(0), direction.unsqueeze(0))[0]
                 direction = torch.where(block.root_valid, grafted, direction)
             matrix[block.rows, block.cols].add_(direction, alpha=-group["lr"])
 

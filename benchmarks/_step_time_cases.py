@@ -21,7 +21,9 @@ FULL_MATRIX_MAX_DIM = 8192
 #: Steps per dash_f10 sample: one root period.
 F10_FREQUENCY = 10
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-SUITES = ("solvers", "peers")
+SUITES = ("solvers", "peers", "defaults")
+#: Steps per sample of the defaults suite: a whole root period of 10 (and of 2 or 5).
+DEFAULTS_WINDOW = 10
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ MODELS: dict[str, GPTShape | MatrixSet] = {
     "gpt-1b": GPTShape(width=2048, layers=18, vocab=50257, context=1024),
     # 12.6M parameters: an 8192 x 256 embedding and six 256-wide layers, a new user's first GPT
     "gpt-8k-vocab": GPTShape(width=256, layers=6, vocab=8192, context=256),
+    # the race's byte-level TinyGPT (benchmarks/races/peers.py) at its two widths
+    "race-128": GPTShape(width=128, layers=2, vocab=256, context=128),
+    "race-256": GPTShape(width=256, layers=2, vocab=256, context=128),
     # 71k parameters: for smoke runs and tests (compare_revisions.py), not a result
     "gpt-tiny": GPTShape(width=64, layers=1, vocab=256, context=64),
     # 8.4M parameters: 16 factors of 1024 x 1024, the peers suite's matrix-only case
@@ -373,6 +378,30 @@ def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
         f"epsilon {PEERS.grafting_epsilon}, no weight decay; dash_default's solver: {default_inverse_root_method()}"
     )
     return cases, notes
+
+
+def build_defaults_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
+    """Per model: AdamW, and DASH as ``DASH(params, lr)`` builds it, every other option at the installed
+    package's default, so that two revisions compare as a user of each would find them. A sample is the mean
+    over :data:`DEFAULTS_WINDOW` steps, after at least as many untimed ones (past the early refreshes of a
+    ``"doubling"`` schedule)."""
+    cases = []
+    for model in args.models:
+        cases.append(Case("adamw", None, None, None, build_adamw, model=model))
+        cases.append(
+            Case(
+                "dash_defaults",
+                default_inverse_root_method(),
+                None,
+                None,
+                lambda params: build_optimizer("dash", params, lr=LR),
+                steps_per_sample=DEFAULTS_WINDOW,
+                model=model,
+                frequency=DEFAULTS_WINDOW,
+                min_warmup=DEFAULTS_WINDOW,
+            )
+        )
+    return cases, [f"dash_defaults: DASH(params, lr={LR}), the installed package's defaults otherwise"]
 
 
 def build_cases(args: argparse.Namespace, max_dim: int) -> tuple[list[Case], list[str]]:

@@ -227,6 +227,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--matmul-precisions", nargs="+", default=[defaults.matmul_precision])
     parser.add_argument("--methods", nargs="+", default=[defaults.inverse_root_method], help="inverse-root solvers")
     parser.add_argument("--grafting-norms", nargs="+", default=[defaults.grafting_norm], help="grafting norms")
+    parser.add_argument("--eigh-dtypes", nargs="+", default=[defaults.eigh_dtype], help="eigh's decomposition dtypes")
+    parser.add_argument("--lr-scales", nargs="+", type=float, default=[defaults.lr_scale], help="lr_scale values")
+    parser.add_argument("--root-schedules", nargs="+", default=[defaults.root_schedule], help="root schedules")
     parser.add_argument("--preconditions", nargs="+", default=[defaults.precondition], help="routing rules")
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     parser.add_argument(
@@ -256,11 +259,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.methods,
         args.preconditions,
         args.grafting_norms,
+        args.eigh_dtypes,
+        args.lr_scales,
+        args.root_schedules,
     ]
     if args.optimizer != "dash":  # DASH's option axes do not apply to a peer
         dash_axes = [[None]] * len(dash_axes)
     candidates = itertools.product(*dash_axes, args.optimizer_dtype, args.perturbations)
-    for order, epsilon, frequency, matmul_precision, method, precondition, norm, optimizer_dtype, kind in candidates:
+    for (
+        order,
+        epsilon,
+        frequency,
+        matmul_precision,
+        method,
+        precondition,
+        norm,
+        eigh_dtype,
+        lr_scale,
+        schedule,
+        dtype_name,
+        kind,
+    ) in candidates:
         options = {
             "root_order": order,
             "epsilon": epsilon,
@@ -269,9 +288,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "inverse_root_method": method,
             "precondition": precondition,
             "grafting_norm": norm,
+            "eigh_dtype": eigh_dtype,
+            "lr_scale": lr_scale,
+            "root_schedule": schedule,
         }
         for network, steps in itertools.product(args.networks, args.steps):
-            dtype = getattr(torch, optimizer_dtype)
+            dtype = getattr(torch, dtype_name)
             per_seed = [
                 trajectory_change(
                     network,
@@ -287,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ]
             records.append(
                 {"optimizer": args.optimizer, **options, **stamp(device), "network": network, "steps": steps}
-                | {"change": max(per_seed), "optimizer_dtype": optimizer_dtype, "perturbation": kind}
+                | {"change": max(per_seed), "optimizer_dtype": dtype_name, "perturbation": kind}
                 | {"per_seed": per_seed}
             )
     header = ["optimizer", "root_order", "epsilon", "frequency", "precision", "solver", "routing", "grafting norm"]

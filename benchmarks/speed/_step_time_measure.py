@@ -229,8 +229,8 @@ def write_records(records: list[Record], out_dir: Path, device_name: str) -> Pat
     return write_json(out_dir / f"step_time_{device_name}.json", records)
 
 
-def write_peer_records(records: list[PeerRecord], out_dir: Path, device_name: str) -> Path:
-    return write_json(out_dir / f"step_time_peers_{device_name}.json", records)
+def write_peer_records(records: list[PeerRecord], out_dir: Path, device_name: str, suite: str = "peers") -> Path:
+    return write_json(out_dir / f"step_time_{suite}_{device_name}.json", records)
 
 
 def run_suite(

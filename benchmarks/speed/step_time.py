@@ -34,6 +34,11 @@ and gradients:
   ``benchmarks/_meta_shampoo.py`` (whose docstring lists the matched settings and why);
   skipped with a note when ``distributed_shampoo`` is not importable.
 
+``--suite defaults`` times ``DASH(params, lr)`` with every other option at the installed package's
+default (``dash_defaults``) against AdamW on ``--models``, a sample being the mean over 10 steps after at
+least 10 untimed ones: what ``compare_revisions.py`` runs to compare two versions as their users find them
+(records: ``<out>/step_time_defaults_<device>.json``).
+
 The models are ``--models`` (default ``gpt-6.6m``, a GPT-2-style 6.6M, and
 ``matrices-8x1024``, eight 1024 x 1024 matrices and no vectors); all cases of all models are
 interleaved in every round. At f > 1 one sample is the mean over f consecutive steps (one
@@ -92,6 +97,7 @@ from _step_time_cases import (
     SUITES,
     adamw_kind,
     build_cases,
+    build_defaults_cases,
     build_peer_cases,
     make_parameters,
     model_parameter_shapes,
@@ -126,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=SUITES,
         default="solvers",
         help="solvers: DASH's solvers and dtypes against AdamW, the loop and third parties (default); "
-        "peers: DASH against Meta's Distributed Shampoo (see the module docstring)",
+        "peers: DASH against Meta's Distributed Shampoo; defaults: DASH(params, lr) at the installed package's "
+        "defaults against AdamW (see the module docstring)",
     )
     parser.add_argument(
         "--model",
@@ -139,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=sorted(MODELS),
         default=list(PEER_MODELS),
-        help=f"parameter shapes of the peers suite (default: {' '.join(PEER_MODELS)})",
+        help=f"parameter shapes of the peers and defaults suites (default: {' '.join(PEER_MODELS)})",
     )
     parser.add_argument(
         "--frequencies",
@@ -200,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.suite == "peers":
+    if args.suite in ("peers", "defaults"):
         main_peers(args)
         return
     device = resolve_device(args.device)
@@ -227,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def main_peers(args: argparse.Namespace) -> list[PeerRecord]:
-    """The peers suite: DASH against Meta's Distributed Shampoo on every model of ``--models``."""
+    """The peers suite (DASH against Meta's Distributed Shampoo) or the defaults suite (DASH at its
+    defaults against AdamW) on every model of ``--models``."""
     device = resolve_device(args.device)
     device_name = device_label(device)
     tensors: dict[str | None, Tensors] = {}
@@ -235,7 +243,7 @@ def main_peers(args: argparse.Namespace) -> list[PeerRecord]:
         shapes = model_parameter_shapes(model)
         tensors[model] = make_parameters(shapes, device)
         print(f"{model}: {parameter_count(shapes):,} parameters in {len(shapes)} tensors")
-    cases, notes = build_peer_cases(args)
+    cases, notes = build_defaults_cases(args) if args.suite == "defaults" else build_peer_cases(args)
     print(f"on {device_name} (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     return run_suite(
         cases,
@@ -247,7 +255,7 @@ def main_peers(args: argparse.Namespace) -> list[PeerRecord]:
         "meta / this: meta_shampoo's step ms over the row's (same model, block, f); spread: max / min of the samples",
         lambda: make_peer_records(cases, device_name),
         format_peer_table,
-        lambda records: write_peer_records(records, args.out, device_name),
+        lambda records: write_peer_records(records, args.out, device_name, args.suite),
     )
 
 

@@ -21,8 +21,10 @@ Parts of a DASH step, per ``m x n`` block (``E = m n`` elements, ``F = m^2 + n^2
 * ``elementwise``: grafting Adam, momentum, factor scaling, graft norm, the update applied
   to the parameter, counted as one fused pass over each tensor (``BLOCK_PARAM_PASSES``,
   ``BLOCK_STATE_PASSES``); the temporaries of today's eager code are not counted.
-* ``grafting norm``: spectral grafting's power iterations on the Shampoo direction and the Adam
-  step of every block (``SPECTRAL_READS`` reads of the block, 2 FLOPs per element each).
+* ``grafting norm``: with ``--grafting-norm spectral`` (the default of version 0.6; 0.7's is DASH's
+  default, Frobenius, whose norms are in ``elementwise``), spectral grafting's power iterations on the
+  Shampoo direction and the Adam step of every block (``SPECTRAL_READS`` reads of the block, 2 FLOPs per
+  element each).
 * ``packing``: each side's factor and root share one tensor, so the root is formed from its
   triangle for the direction and the new factor's triangle is written back into the pair
   (``PACKING_PASSES`` fp32 passes over each side per step).
@@ -210,7 +212,12 @@ PART_NAMES = (
 
 
 def dash_parts(
-    blocks: Counter[tuple[int, int]], vectors: int, column: Column, hardware: Hardware, frequency: int
+    blocks: Counter[tuple[int, int]],
+    vectors: int,
+    column: Column,
+    hardware: Hardware,
+    frequency: int,
+    grafting_norm: str = DashConfig().grafting_norm,
 ) -> list[Part]:
     """Every part of one DASH step, Newton-DB roots amortised over ``frequency`` steps."""
     bw, fp32, matmul = hardware.bandwidth, hardware.fp32_flops, column.matmul_flops
@@ -223,9 +230,10 @@ def dash_parts(
             elementwise_flops, n * block_elementwise_bytes(rows, cols, column.param_bytes), fp32, bw
         )
         parts["commit"].add(0.0, n * block_commit_bytes(rows, cols), fp32, bw)
-        parts["grafting norm"].add(
-            n * spectral_grafting_flops(rows, cols), n * spectral_grafting_bytes(rows, cols), fp32, bw
-        )
+        if grafting_norm == "spectral":
+            parts["grafting norm"].add(
+                n * spectral_grafting_flops(rows, cols), n * spectral_grafting_bytes(rows, cols), fp32, bw
+            )
         parts["packing"].add(0.0, n * packing_bytes(rows, cols), fp32, bw)
     parts["vectors"].add(
         vectors * VECTOR_ELEMENTWISE_FLOPS, vectors * vector_bytes_per_element(column.param_bytes), fp32, bw
@@ -313,14 +321,20 @@ class Estimate:
 
 
 def estimate(
-    model: str, shapes: Shapes, block_size: int, frequency: int, column: Column, hardware: Hardware = H100_SXM
+    model: str,
+    shapes: Shapes,
+    block_size: int,
+    frequency: int,
+    column: Column,
+    hardware: Hardware = H100_SXM,
+    grafting_norm: str = DashConfig().grafting_norm,
 ) -> Estimate:
     """Every count of one model's DASH and AdamW steps in one column."""
     dims = [shape for _, shape in shapes]
     blocks = block_counts(dims, block_size)
     vectors = vector_elements(dims)
     parameters = sum(math.prod(shape) for shape in dims)
-    parts = dash_parts(blocks, vectors, column, hardware, frequency)
+    parts = dash_parts(blocks, vectors, column, hardware, frequency, grafting_norm)
     dash_ms = sum(part.ms for part in parts)
     without_commit_ms = sum(part.ms for part in parts if part.name != "commit")
     adamw_flops = ADAMW_FLOPS * parameters
@@ -418,6 +432,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frequencies", type=int, nargs="+", default=[1, 10], help="precondition frequencies f")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument(
+        "--grafting-norm",
+        choices=["frobenius", "spectral"],
+        default=DashConfig().grafting_norm,
+        help="spectral: count spectral grafting's power iterations (default: DASH's default grafting norm)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=RESULTS_DIR, help="results folder (default: benchmarks/speed/results)"
     )
     return parser.parse_args(argv)
@@ -426,7 +446,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     records = [
-        estimate(model, MODELS[model], args.block_size, frequency, column)
+        estimate(model, MODELS[model], args.block_size, frequency, column, grafting_norm=args.grafting_norm)
         for model in args.models
         for frequency in args.frequencies
         for column in columns(H100_SXM)
@@ -440,6 +460,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "computed": stamp(torch.device("cpu")),  # where and when the model was evaluated, at which commit
         "assumptions": assumptions(H100_SXM),
+        "grafting_norm": args.grafting_norm,
+        "epsilon": DashConfig().epsilon,
         "records": [asdict(record) for record in records],
     }
     print(f"\nwrote {write_json(args.out / RESULTS_NAME, report)}")

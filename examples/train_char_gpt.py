@@ -100,15 +100,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--warmup-fraction", type=float, default=0.05)
-    parser.add_argument("--block-size", type=int, default=256, help="DASH block size")
+    parser.add_argument("--block-size", type=int, default=None, help="DASH block size (default: DASH's)")
     parser.add_argument(
         "--precondition-frequency", type=int, default=None, help="DASH root refresh interval (default: DASH's)"
     )
     parser.add_argument(
         "--precondition",
-        choices=("all_matrices", "hidden"),
-        default="all_matrices",
-        help="which parameters DASH preconditions (hidden: not the embeddings and the output layer)",
+        choices=("auto", "all_matrices", "hidden"),
+        default="auto",
+        help="which parameters DASH preconditions (auto, DASH's default, is hidden here: not the embeddings, the "
+        "position table and the output layer)",
     )
     parser.add_argument("--val-every", type=int, default=50, help="validate every this many steps")
     parser.add_argument("--val-windows", type=int, default=512, help="size of the fixed validation set")
@@ -206,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     defaults = QUICK_LR if args.quick else DEFAULT_LR
     lrs = {name: next(lr for lr in (given[name], args.lr, defaults[name]) if lr is not None) for name in given}
     frequency = {} if args.precondition_frequency is None else {"precondition_frequency": args.precondition_frequency}
-    dash = DashStrategy(block_size=args.block_size, precondition=args.precondition, **frequency)
+    block = {} if args.block_size is None else {"block_size": args.block_size}
+    dash = DashStrategy(precondition=args.precondition, **block, **frequency)
     runs = {
         "adamw": fit("adamw", "ddp" if args.devices > 1 else "auto", lrs["adamw"], args),
         "dash": fit("dash", dash, lrs["dash"], args),

@@ -262,7 +262,7 @@ class DashConfig:
         every f). Two data-parallel ranks' averaged gradients then move training by at most 1e-4 of its
         movement after 10 steps on the roundoff benchmark's networks, where today's defaults, chosen on
         quality, stay within what they move torch's Muon (``benchmarks/numerics/roundoff.py``); on the
-        byte-level GPT race these options end 0.2 higher."""
+        byte-level GPT race these options end higher (docs/options.md)."""
         return cls.build(cls(**CLOSE_TO_ONE_PROCESS), **options)
 
     def group_defaults(self) -> dict[str, Any]:

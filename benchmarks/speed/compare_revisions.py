@@ -78,8 +78,9 @@ DEFAULT_STEP_TIME_ARGS = (
 #: What this script sets itself: one round per process, the package's optimizers only.
 FIXED_STEP_TIME_ARGS = ["--rounds", "1", "--no-loop", "--no-third-party"]
 SIDES = ("before", "after")
-#: What names a case: the solvers suite's records have a dtype, the peers suite's a root frequency.
-CASE_FIELDS = ("optimizer", "solver", "dtype", "block_size", "frequency")
+#: What names a case: its model, and the solvers suite's records have a dtype, the peers and defaults suites' a root
+#: frequency.
+CASE_FIELDS = ("model", "optimizer", "solver", "dtype", "block_size", "frequency")
 
 
 # ---------------------------------------------------------------------- revisions
@@ -160,10 +161,10 @@ def case_key(record: dict) -> tuple:
 
 
 def case_label(key: tuple) -> str:
-    optimizer, solver, dtype, block_size, frequency = key
+    model, optimizer, solver, dtype, block_size, frequency = key
     block = None if block_size is None else f"b{block_size}"
     period = None if frequency is None else f"f{frequency}"
-    return " ".join(str(p) for p in (optimizer, solver, dtype, block, period) if p)
+    return " ".join(str(p) for p in (model, optimizer, solver, dtype, block, period) if p)
 
 
 # ---------------------------------------------------------------------- summary

@@ -423,9 +423,9 @@ def test_compare_revisions_tiny_run_writes_its_layout(tmp_path, monkeypatch):
     for record in report["runs"][0]["records"]:
         check_layout(record, STEP_TIME_KEYS)
     assert [compare_revisions.case_label(compare_revisions.case_key(c)) for c in report["cases"]] == [
-        "adamw",
-        "dash eigh float32 b32",
-        "dash_f10 newton_db float32 b32",
+        "gpt-tiny adamw",
+        "gpt-tiny dash eigh float32 b32",
+        "gpt-tiny dash_f10 newton_db float32 b32",
     ]
     assert all(c["ratio"] > 0 and len(c["before_ms"]) == 1 for c in report["cases"])
 

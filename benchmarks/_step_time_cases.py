@@ -14,6 +14,8 @@ import torch
 from common import build_optimizer
 from torch import Tensor
 
+from lightning_dash import DashConfig
+
 LR = 1e-4
 SEED = 0
 #: pytorch_optimizer's Shampoo keeps a full ``d x d`` factor per dimension and takes its SVD.
@@ -380,11 +382,23 @@ def build_peer_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
     return cases, notes
 
 
+def defaults_with(options: dict) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
+    """``DASH(params, lr, **options)``, leaving out the options the installed package does not take (an
+    older revision, whose defaults then stand)."""
+
+    def build(params: list[Tensor]) -> torch.optim.Optimizer:
+        taken = {name: value for name, value in options.items() if name in DashConfig.__dataclass_fields__}
+        return build_optimizer("dash", params, lr=LR, **taken)
+
+    return build
+
+
 def build_defaults_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
     """Per model: AdamW, and DASH as ``DASH(params, lr)`` builds it, every other option at the installed
-    package's default, so that two revisions compare as a user of each would find them. A sample is the mean
-    over :data:`DEFAULTS_WINDOW` steps, after at least as many untimed ones (past the early refreshes of a
-    ``"doubling"`` schedule)."""
+    package's default (``--dash-option`` replaces some, where that package has them), so that two revisions
+    compare as a user of each would find them. A sample is the mean over :data:`DEFAULTS_WINDOW` steps,
+    after at least as many untimed ones (past the early refreshes of a ``"doubling"`` schedule)."""
+    options = dict(args.dash_option)
     cases = []
     for model in args.models:
         cases.append(Case("adamw", None, None, None, build_adamw, model=model))
@@ -394,14 +408,15 @@ def build_defaults_cases(args: argparse.Namespace) -> tuple[list[Case], list[str
                 default_inverse_root_method(),
                 None,
                 None,
-                lambda params: build_optimizer("dash", params, lr=LR),
+                defaults_with(options),
                 steps_per_sample=DEFAULTS_WINDOW,
                 model=model,
                 frequency=DEFAULTS_WINDOW,
                 min_warmup=DEFAULTS_WINDOW,
             )
         )
-    return cases, [f"dash_defaults: DASH(params, lr={LR}), the installed package's defaults otherwise"]
+    given = f", with {options} where the installed package takes them" if options else ""
+    return cases, [f"dash_defaults: DASH(params, lr={LR}), the installed package's defaults otherwise{given}"]
 
 
 def build_cases(args: argparse.Namespace, max_dim: int) -> tuple[list[Case], list[str]]:

@@ -80,6 +80,7 @@ Run from the repository root (the CPU default, gpt-2.5m, takes about 11 minutes 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -121,6 +122,15 @@ from lightning_dash.optim.roots import INVERSE_ROOT_METHODS
 
 #: The default output folder: this folder's results/.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def dash_option(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` as (name, value): the value read as JSON, else kept as a string."""
+    name, _, value = text.partition("=")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,6 +193,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leave out heavyball and pytorch_optimizer (peers suite: Meta's Shampoo)",
     )
     parser.add_argument("--no-compile", action="store_true", help="peers suite: leave out compiled DASH")
+    parser.add_argument(
+        "--dash-option",
+        type=dash_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="defaults suite: a DASH option for dash_defaults, where the installed package has it (a JSON value "
+        "or a string)",
+    )
     args = parser.parse_args(argv)
     on_gpu = resolve_device(args.device).type == "cuda"
     peers = args.suite == "peers"

@@ -8,7 +8,7 @@ validation set (windows of held-out stdlib files). Only the Trainer's strategy a
 the learning rate passed to the module differ (by default they are the same): the dash strategy
 (here an instance, ``DashStrategy(block_size=..., precondition=...)``, to pass the flags) converts
 the AdamW into DASH and re-points the scheduler; DASH steps at AdamW's lr (grafting gives each
-block Adam's step size).
+block twice the norm of Adam's step, ``lr_scale``).
 
 Output (under ``--out``, default ``runs/``): one ``CSVLogger`` directory per run
 (``adamw/version_N/metrics.csv``, ``dash/version_N/metrics.csv``), ``train_char_gpt.png``
@@ -35,8 +35,8 @@ force it); a few known third-party notices are filtered (``lightning_dash.showca
 Learning rates: AdamW's default, 6e-3, is its best on the grid {1.5e-3, 3e-3, 6e-3, 1.2e-2}
 swept at the default settings with the same schedule (final validation loss 1.908, 1.695,
 1.517, 1.548). DASH takes the same lr: the AdamW recipe, unchanged, is the claim under test
-(``benchmarks/races/peers.py`` measured DASH's best lr at 8x AdamW's on this model with version 0.4's
-numerics; ``--lr-dash`` or ``DashStrategy(lr_scale=...)`` try a larger one).
+(``--lr-dash`` or ``DashStrategy(lr_scale=...)`` try another). DASH runs at its defaults: ``--precondition``
+and ``--block-size`` set otherwise.
 
     .venv/bin/python examples/train_char_gpt.py                      # the full comparison
     .venv/bin/python examples/train_char_gpt.py --quick              # a smaller one
@@ -68,8 +68,8 @@ DEFAULT_LR = {"adamw": 6e-3, "dash": 6e-3}
 
 #: ``--quick``: the defaults it changes (a flag given on the command line wins). The same model, batch
 #: and schedule shape; 150 steps instead of 800, validation on 256 windows every 25 steps, 1 MB of source.
-#: DASH stays ahead: final val loss 2.2876 (AdamW) vs 2.2306 (DASH at version 0.5's defaults; 1.9742 with
-#: version 0.4's 8x lr and roots every 2 steps), which reaches AdamW's at step 100.
+#: DASH stays ahead: final val loss 2.2876 (AdamW) vs 2.1483 (DASH at version 0.7's defaults; 2.2306 at 0.5's),
+#: which reaches AdamW's at step 75.
 QUICK: dict[str, Any] = {"steps": 150, "val_every": 25, "val_windows": 256, "max_bytes": 1_000_000}
 #: ``--quick``'s learning rates (``--lr``, ``--lr-adamw`` and ``--lr-dash`` win over them): AdamW's best of the
 #: grid {1.5e-3, 3e-3, 6e-3, 1.2e-2} at the quick settings (final val loss 2.322, 2.288, 2.292, 2.329), for

@@ -470,7 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--max-bytes", type=int, default=4_000_000, help="stdlib source read")
     parser.add_argument("--adamw-lrs", type=float_list, default=[1.5e-3, 3e-3, 6e-3], help="comma-separated")
-    parser.add_argument("--dash-lr-scales", type=float_list, default=[2.0], help="comma-separated; one run each")
+    parser.add_argument("--dash-lr-scales", type=float_list, default=[4.0], help="comma-separated; one run each")
     parser.add_argument("--optimizers", type=name_list, default=list(ORDER), help="comma-separated subset")
     parser.add_argument(
         "--run-budget-s",

@@ -236,6 +236,7 @@ def test_meta_shampoo_matches_dash_on_matrices():
         root_order=4,
         nesterov=False,
         grafting_norm="frobenius",  # Meta grafts Adam's Frobenius norm
+        lr_scale=1.0,  # and steps it at the lr itself
     )
     meta = _meta_shampoo.build_meta_shampoo(theirs, **shared, **grafting, epsilon=1e-6)
     for step_grads in gradients:

@@ -277,6 +277,7 @@ def test_meta_shampoo_with_dash_recipe_is_dash_on_matrices():
         precondition_frequency=frequency,
         start_preconditioning_step=_meta_shampoo.start_preconditioning_step(frequency),
         grafting_norm="frobenius",  # Meta grafts Adam's Frobenius norm
+        lr_scale=1.0,  # and steps it at the lr itself
     )
     runs = {
         "recipe": (recipe.root_order, recipe.nesterov),

@@ -194,9 +194,9 @@ class DashConfig:
     root_schedule: str = _option(
         "doubling",
         "steps that recompute the roots, for start_preconditioning_step s and precondition_frequency f: "
-        "doubling (s, s + 1, s + 3, s + 7, ... while sooner than f steps apart: each time the factors hold twice "
-        "the gradients they held at the last refresh; then s + f, s + 2f, ...); from_start (s, s + f, s + 2f, "
-        "...); multiples (s, then every multiple of f: 1, f, 2f, ... as the DASH paper's code)",
+        "doubling (s, every power of two below s + f: each time the factors hold twice the gradients, then "
+        "s + f, s + 2f, ...; 1, 2, 4, 8, 11, 21, ... by default); from_start (s, s + f, s + 2f, ...); multiples "
+        "(s, then every multiple of f: 1, f, 2f, ... as the DASH paper's code)",
         accepts.one_of(ROOT_SCHEDULES),
     )
     decay_vectors: bool = _option(

@@ -66,8 +66,8 @@ class ReferenceDash:
     lr_scale: float = 2.0
     root_delay: int = 0
     factor_bias_correction: bool = True  # False: damp the raw factor averages
-    # "doubling": roots at start and whenever the block has seen twice the gradients it had at the last roots,
-    # until that is a full period away, then every period; "from_start": at start, then every period;
+    # "doubling": roots at start, at every step before start + period whose number (the gradients in the
+    # factors) is a power of two, and every period from start; "from_start": at start, then every period;
     # "multiples": at start, then at every multiple of the frequency
     root_schedule: str = "doubling"
     decay_vectors: bool = True  # False: weight decay on matrices only
@@ -140,8 +140,7 @@ class ReferenceDash:
                 due = t == start or (t > start and t % freq == 0)
             else:
                 due = t >= start and (t - start) % freq == 0
-                seen = t - start + 1  # gradients the factors hold at step t
-                if self.root_schedule == "doubling" and 1 <= seen < freq and math.log2(seen).is_integer():
+                if self.root_schedule == "doubling" and start <= t < start + freq and math.log2(t).is_integer():
                     due = True
             if st["pending"] is not None and (due or t >= st["pending"][0]):
                 _, st["Lr"], st["Rr"] = st["pending"]

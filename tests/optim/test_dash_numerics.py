@@ -304,10 +304,10 @@ def test_the_paper_preset_takes_the_reference_steps_of_the_papers_algorithm():
         ("multiples", 3, 10, [3, 10, 20]),
         ("from_start", 3, 10, [3, 13]),
         ("doubling", 1, 10, [1, 2, 4, 8, 11, 21]),  # the factors hold 1, 2, 4, 8 gradients, then every 10
-        ("doubling", 3, 10, [3, 4, 6, 10, 13]),
-        ("doubling", 1, 2, [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21]),  # at f <= 2 the same as from_start
+        ("doubling", 3, 10, [3, 4, 8, 13]),  # the factors hold a gradient per step from step 1
+        ("doubling", 1, 2, [1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21]),
         ("doubling", 1, 1, list(range(1, 23))),
-        ("doubling", 2, 32, [2, 3, 5, 9, 17]),
+        ("doubling", 2, 32, [2, 4, 8, 16]),
     ],
 )
 def test_root_schedules_name_the_steps_that_refresh(schedule, start, frequency, due):

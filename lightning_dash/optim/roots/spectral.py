@@ -84,7 +84,7 @@ def eigh(matrices: Tensor, eps: Tensor, root: int, dtype: torch.dtype = torch.fl
     of float32 eigenvectors, taken in float64, left the 0.19 as it was). On a CPU a float64
     decomposition costs about 1.7x a float32 one. The root is then assembled in the statistics'
     dtype, as ``(V s^(1/2)) (V s^(1/2))^T`` (assembled in float64 it moved the same GRU by the same
-    amount, at twice the cost of the product).
+    amount, at float64's cost of the product).
 
     Eigenvalues below :data:`NULL_SPACE_UNITS` units of roundoff of the statistics' dtype
     times the block's largest eigenvalue (about 1e-6 of it for float32 statistics) are

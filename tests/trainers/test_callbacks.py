@@ -313,14 +313,14 @@ def test_monitor_logs_what_auto_chose(tmp_path):
 
 def test_monitor_counts_skipped_nonfinite_gradients_and_omits_missing_residual(tmp_path):
     logger = CSVLogger(tmp_path, name="run")
-    module = TinyModule(nan_at_step=1, precondition_frequency=2)
+    module = TinyModule(nan_at_step=1, precondition_frequency=2, root_schedule="from_start")
     fit(tmp_path, 4, [DashMonitor()], module=module, logger=logger)
     rows = {int(r["step"]): r for r in read_metrics(logger) if r.get("dash/optimizer_step_ms")}
     assert sorted(rows) == [0, 1, 2, 3]
     # The second step has NaN gradients: the whole step is skipped (counted once) and the
     # step counts stay put, so the following calls are DASH steps t = 2 and t = 3.
     assert [float(rows[s]["dash/nonfinite_grad_skips"]) for s in range(4)] == [0.0, 1.0, 1.0, 1.0]
-    # Frequency 2: roots on t = 1 and t = 3; t = 2 computes none, so no residual is logged.
+    # Frequency 2 from the start step: roots on t = 1 and t = 3; t = 2 computes none, so no residual is logged.
     assert [bool(rows[s]["dash/root_residual"]) for s in (0, 2, 3)] == [True, False, True]
 
 

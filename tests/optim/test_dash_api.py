@@ -113,3 +113,21 @@ def test_low_precision_matmuls_train(matmul_dtype):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("value", ["bfloat16", "float16", "Float64", "", 0, 1.5, True, None, torch.bfloat16])
+def test_an_eigh_dtype_other_than_float32_or_float64_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="eigh_dtype"):
+        DASH(torch.nn.Linear(3, 3).parameters(), eigh_dtype=value)
+
+
+@pytest.mark.parametrize("value", [torch.float32, torch.float64, "float32", "float64"])
+def test_eigh_dtype_takes_a_name_or_a_torch_dtype(value):
+    name = str(value).removeprefix("torch.")
+    assert DASH(torch.nn.Linear(3, 3).parameters(), eigh_dtype=value).config.eigh_dtype == name
+
+
+@pytest.mark.parametrize("value", ["Doubling", "double", "", 2, True, None])
+def test_a_root_schedule_that_is_not_one_of_the_three_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="root_schedule"):
+        DASH(torch.nn.Linear(3, 3).parameters(), root_schedule=value)

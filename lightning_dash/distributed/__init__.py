@@ -1,4 +1,5 @@
-"""Ownership and communication shared by the Lightning and Composer integrations.
+"""Ownership and communication shared by the Lightning and Composer integrations, and the distributor
+plain ``DASH(params)`` finds by itself on sharded parameters (:mod:`.found`, registered on import).
 
 :class:`ShardedDistributor` is imported on first use: it needs ``torch.distributed.tensor``
 (about 0.6 s to import), which plain ``from lightning_dash import DASH`` does not.
@@ -17,6 +18,7 @@ from lightning_dash.distributed.assignment import (
 )
 from lightning_dash.distributed.demo_optimizer import DeMo
 from lightning_dash.distributed.demo_synchronizer import DemoSynchronizer
+from lightning_dash.distributed.found import sharded_distributor_for
 from lightning_dash.distributed.process_group import ProcessGroupDistributor, shard_across_ranks
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ __all__ = [
     "plan_parameter_ownership",
     "round_robin_parameters",
     "shard_across_ranks",
+    "sharded_distributor_for",
 ]
 
 

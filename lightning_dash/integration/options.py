@@ -37,6 +37,7 @@ from lightning_dash.integration.trainer_options import check_data_parallel_optio
 from lightning_dash.optim import DASH, DashConfig
 from lightning_dash.optim.config import OPTION_NAMES, check_option, check_option_names
 from lightning_dash.optim.conversion import DEFAULT_FACTOR_DECAY, check_conversion_options
+from lightning_dash.optim.distributor import BlockDistributor
 from lightning_dash.optim.validation import check_communication_dtype
 
 
@@ -138,6 +139,19 @@ class ConversionOptions:
         check_data_parallel_options(keywords, strategy, takes, sharded, use_instead)
         return conversion
 
+    def sharded_distributor(self, optimizer: Optimizer) -> BlockDistributor:
+        """The :class:`~lightning_dash.distributed.ShardedDistributor` these options configure, for the
+        parameters of ``optimizer`` (FSDP2 row shards, DTensors)."""
+        # Imported here: it needs torch.distributed.tensor, which `import lightning_dash` does not load.
+        from lightning_dash.distributed.sharded import ShardedDistributor
+
+        config = optimizer.config if isinstance(optimizer, DASH) else DashConfig.build(**self.overrides)
+        return ShardedDistributor(
+            communication_dtype=self.communication_dtype,
+            root_iterations=config.root_iterations or 10,
+            micro_group_mib=self.micro_group_mib,
+        )
+
     def check_sharding(self, sharded_parameters: bool) -> None:
         """Refuse ``micro_group_mib`` for a front-end whose parameters are whole on every rank."""
         if self.micro_group_mib is not None and not sharded_parameters:
@@ -160,6 +174,7 @@ class ConversionOptions:
         A DASH optimizer is kept as it is: the overrides are not applied to it (a
         warning names them).
         """
+        sharded = self.sharded_distributor(optimizer) if sharded_parameters else None
         if isinstance(optimizer, DASH):
             ignored = sorted(self.overrides)
             if self.factor_decay is not None:
@@ -171,23 +186,20 @@ class ConversionOptions:
                     stacklevel=2,
                 )
             dash = optimizer
+            if sharded is not None:
+                dash.distributor = sharded
         else:
             conversion = {"factor_decay": self.factor_decay} if self.factor_decay is not None else {}
             dash = DASH.from_optimizer(
-                optimizer, **self.overrides, **conversion, allow_custom_step=self.allow_custom_step
+                optimizer,
+                **self.overrides,
+                **conversion,
+                allow_custom_step=self.allow_custom_step,
+                distributor=sharded,
             )
         if model is not None:
             dash.attach_model(model)
-        if sharded_parameters:
-            # Imported here: it needs torch.distributed.tensor, which `import lightning_dash` does not load.
-            from lightning_dash.distributed.sharded import ShardedDistributor
-
-            dash.distributor = ShardedDistributor(
-                communication_dtype=self.communication_dtype,
-                root_iterations=dash.root_settings.iterations or 10,
-                micro_group_mib=self.micro_group_mib,
-            )
-        else:
+        if not sharded_parameters:
             self.check_sharding(sharded_parameters=False)
             shard_across_ranks(dash, self.communication_dtype)
         return dash

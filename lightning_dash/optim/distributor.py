@@ -197,3 +197,25 @@ class LocalDistributor(WholeParameters):
 
     def gather_states(self, state: dict[int, dict[str, Tensor]]) -> dict[int, dict[str, Any]] | None:
         return state
+
+
+#: Looks at the parameters (and their names) DASH is built on without a distributor and returns the
+#: distributor they call for, or None. The communication package registers its own
+#: (:func:`register_distributor_finder`), so that the optimizer itself never imports one.
+DistributorFinder = Callable[[list[Tensor], list[str]], "BlockDistributor | None"]
+_FINDERS: list[DistributorFinder] = []
+
+
+def register_distributor_finder(finder: DistributorFinder) -> None:
+    """Have ``finder`` consulted whenever DASH is built without a distributor (once per finder)."""
+    if finder not in _FINDERS:
+        _FINDERS.append(finder)
+
+
+def found_distributor(params: list[Tensor], names: list[str]) -> BlockDistributor | None:
+    """The distributor the first registered finder returns for ``params``, or None (one process's)."""
+    for finder in _FINDERS:
+        distributor = finder(params, names)
+        if distributor is not None:
+            return distributor
+    return None

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_dash.optim.checkpoint import Checkpointer, CheckpointMethods
 from lightning_dash.optim.config import AUTO, GROUP_OPTIONS, DashConfig, check_group, check_option
 from lightning_dash.optim.conversion import announced, converted_groups
-from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor
+from lightning_dash.optim.distributor import BlockDistributor, LocalDistributor, found_distributor
 from lightning_dash.optim.layout_keeper import LayoutKeeper
 from lightning_dash.optim.roots import RootSettings
 from lightning_dash.optim.roots.choice import choose_inverse_root_method, explain_choice
@@ -68,8 +68,9 @@ class DASH(CheckpointMethods, torch.optim.Optimizer):
         params: parameters, named parameters or parameter groups, as for any torch optimizer.
         lr: learning rate (default: ``config.lr``).
         config: the options as a :class:`~lightning_dash.optim.config.DashConfig`.
-        distributor: block ownership across data-parallel ranks (None: this process
-            owns every block).
+        distributor: block ownership across data-parallel ranks (None: this process owns every
+            block, or, for sharded parameters (DTensors: FSDP2, tensor parallelism, HSDP), a
+            :class:`~lightning_dash.distributed.ShardedDistributor` over the default process group).
         model: the module of the parameters, for their names and roles (see :meth:`attach_model`).
         **options: any :class:`~lightning_dash.optim.config.DashConfig` option by
             keyword (``betas``, ``epsilon``, ``block_size``, ``inverse_root_method``,
@@ -107,6 +108,11 @@ class DASH(CheckpointMethods, torch.optim.Optimizer):
         self._keeper = LayoutKeeper(distributor or LocalDistributor(), self.block_size, self.roots, self._books)
         self._checkpointer = Checkpointer(self, self._keeper, self._routing, self._current_layout)
         super().__init__(check_iterable_params(params), self._config.group_defaults())
+        if distributor is None:  # sharded parameters (DTensors) call for the sharded distributor
+            found = found_distributor(
+                [p for group in self.param_groups for p in group["params"]], self._parameter_names()
+            )
+            self._keeper.distributor = found or self._keeper.distributor
 
     # ------------------------------------------------------------------ options
     @property
@@ -193,20 +199,26 @@ class DASH(CheckpointMethods, torch.optim.Optimizer):
 
     @classmethod
     def from_optimizer(
-        cls, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None, **overrides: Any
+        cls,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: nn.Module | None = None,
+        distributor: BlockDistributor | None = None,
+        **overrides: Any,
     ) -> DASH:
         """DASH over ``optimizer``'s own parameter-group dictionaries, so its schedulers keep working.
 
         Learning rates, momenta, epsilons and weight decay map onto DASH and its grafting (Adam-family
         optimizers graft Adam, SGD grafts SGD, ...). Keyword overrides set any
         :class:`~lightning_dash.optim.config.DashConfig` option; ``factor_decay`` sets ``betas[1]``;
-        ``model`` routes the parameters as the strategies do (see ``DASH(..., model=)``). A DASH optimizer
-        is returned unchanged; a subclass overriding ``step`` is refused unless ``allow_custom_step=True``.
+        ``model`` routes the parameters as the strategies do (see ``DASH(..., model=)``), ``distributor``
+        shares the blocks between ranks (see ``DASH(..., distributor=)``). A DASH optimizer is returned
+        unchanged; a subclass overriding ``step`` is refused unless ``allow_custom_step=True``.
         What the recipe became is logged (INFO, ``lightning_dash``)."""
         if isinstance(optimizer, DASH):
             return optimizer
         groups, options = converted_groups(optimizer, overrides)
-        return announced(cls(groups, model=model, **options), optimizer)
+        return announced(cls(groups, model=model, distributor=distributor, **options), optimizer)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after training started); its hyperparameters are checked."""
@@ -227,12 +239,16 @@ class DASH(CheckpointMethods, torch.optim.Optimizer):
         self._keeper.retire(self.state)
         self._routing.attach(model)
 
+    def _parameter_names(self) -> list[str]:
+        """Each parameter's name, where the groups or the model give one, else its group and position."""
+        known, fallback = self._routing.names(self.param_groups), param_names(self.param_groups)
+        return [name or other for name, other in zip(known, fallback)]
+
     def preconditioning(self) -> dict[str, MatrixView | None]:
         """How each parameter is updated, by name: its
         :class:`~lightning_dash.optim.stacks.blocks.MatrixView` when DASH preconditions it,
         None when the grafting optimizer alone updates it."""
-        known, fallback = self._routing.names(self.param_groups), param_names(self.param_groups)
-        return {known[i] or fallback[i]: view for i, view in enumerate(self._routing.views(self.param_groups))}
+        return dict(zip(self._parameter_names(), self._routing.views(self.param_groups)))
 
     def _current_layout(self) -> Layout:
         """The stacked state, built from ``self.state`` when there is none."""

@@ -113,7 +113,11 @@ def check_parity_and_memory(rank: int, world_size: int, micro_group_mib: float |
     reference = network().double()
     single = DASH(reference.parameters(), **OPTIONS)
     model = sharded(network().double())
-    optimizer = DASH(model.parameters(), distributor=ShardedDistributor(micro_group_mib=micro_group_mib), **OPTIONS)
+    if micro_group_mib is None:  # as a user writes it after fully_shard: DASH finds the sharded distributor
+        optimizer = DASH(model.parameters(), **OPTIONS)
+        assert isinstance(optimizer.distributor, ShardedDistributor) and optimizer.distributor.micro_group_mib is None
+    else:
+        optimizer = DASH(model.parameters(), distributor=ShardedDistributor(micro_group_mib=micro_group_mib), **OPTIONS)
     for x, y in batches(6):
         x, y = x.double(), y.double()
         single.zero_grad()
@@ -152,7 +156,8 @@ def check_parity_and_memory(rank: int, world_size: int, micro_group_mib: float |
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size, micro_group_mib", [(2, None), (3, 0.002), (4, None)])
 def test_sharded_dash_equals_single_process_and_splits_its_state(tmp_path, world_size, micro_group_mib):
-    """At 3 ranks the blocks travel in micro-groups of at most one 8x8 block per rank."""
+    """At 2 and 4 ranks plain ``DASH(model.parameters())`` after the user's own ``fully_shard``; at 3 ranks an
+    explicit distributor whose blocks travel in micro-groups of at most one 8x8 block per rank."""
     spawn(functools.partial(check_parity_and_memory, micro_group_mib=micro_group_mib), world_size, tmp_path)
 
 
@@ -183,6 +188,9 @@ def test_a_bad_gradient_shard_skips_the_step_on_every_rank(tmp_path):
 def check_plain_parameters_are_refused(rank: int, world_size: int) -> None:
     model = network()
     fully_shard(model[0])  # the other layers stay plain tensors
+    # Built without a distributor, DASH refuses the mixed layout at once, naming a plain parameter.
+    with pytest.raises(ValueError, match=r"^2\.weight of shape \(30, 19\) is a plain tensor beside sharded"):
+        DASH(model.named_parameters(), **OPTIONS)
     optimizer = DASH(model.parameters(), distributor=ShardedDistributor(), **OPTIONS)
     loss(model, *batches(1)[0]).backward()
     with pytest.raises(ValueError, match="not sharded"):

@@ -65,11 +65,17 @@ def check_against_one_process(
 ) -> None:
     """Six steps of ``model`` (already parallelised; ``local_batch`` gives this rank's part
     of a global batch and the factor its loss is divided by) against one float64 process,
-    the blocks' state split across the ranks."""
+    the blocks' state split across the ranks. Without ``micro_group_mib``, DASH is built as a
+    user builds it on sharded parameters, without a distributor."""
     reference = MLP().double()
     single = DASH(reference.parameters(), **OPTIONS)
-    distributor = ShardedDistributor(micro_group_mib=micro_group_mib)
-    optimizer = DASH(model.parameters(), distributor=distributor, **OPTIONS)
+    if micro_group_mib is None:
+        optimizer = DASH(model.parameters(), **OPTIONS)
+        distributor = optimizer.distributor
+        assert isinstance(distributor, ShardedDistributor)
+    else:
+        distributor = ShardedDistributor(micro_group_mib=micro_group_mib)
+        optimizer = DASH(model.parameters(), distributor=distributor, **OPTIONS)
     for x in batches(6):
         single.zero_grad()
         loss(reference, x).backward()
@@ -177,7 +183,8 @@ def check_language_model(mesh, scale: float = 1.0, frozen: tuple[str, ...] = (),
     parallelize_module(model, mesh["tensor_parallel"], plan)
     model.head.weight = model.embed.weight  # parallelize_module gave each its own DTensor
     fully_shard(model, mesh=mesh["data_parallel"])
-    optimizer = DASH(model.named_parameters(), distributor=ShardedDistributor(), split_rows=split, **OPTIONS)
+    optimizer = DASH(model.named_parameters(), split_rows=split, **OPTIONS)  # the sharded distributor, found
+    assert isinstance(optimizer.distributor, ShardedDistributor)
     data = mesh["data_parallel"]
     generator = torch.Generator().manual_seed(5)
     for step in range(5):
@@ -225,6 +232,8 @@ def check_partial_is_refused(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     layer = nn.Linear(4, 4, bias=False)
     layer.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh, [Partial()]))
+    with pytest.raises(ValueError, match=r"is placed as \(Partial\(sum\),\) on a mesh of shape \(4,\)"):
+        DASH(layer.parameters(), **OPTIONS)  # built without a distributor: refused at once
     optimizer = DASH(layer.parameters(), distributor=ShardedDistributor(), **OPTIONS)
     layer.weight.grad = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
     with pytest.raises(ValueError, match=r"is placed as \(Partial\(sum\),\) on a mesh of shape \(4,\)"):

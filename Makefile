@@ -70,7 +70,7 @@ test-torchtitan: $(TITAN_VENV)/.installed
 
 # The documentation (MkDocs Material + mkdocstrings) into site/; --strict fails on a broken link or reference.
 docs: $(VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # A wheel and an sdist into dist/, the wheel installed into a new environment that has torch alone, and
 # DASH imported and stepped from it: packaging cannot break unnoticed (CI runs this).

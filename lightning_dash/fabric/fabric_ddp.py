@@ -55,15 +55,18 @@ class DashFabricStrategy(FabricDashOptimizers, DDPStrategy):
     folder written by ``strategy="dash_fsdp"``.
 
     Args:
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
-            differ from the defaults override the values mapped from the user's optimizer. Every
-            option is also a keyword of this signature (generated from DashConfig); one that is
+        **kwargs: the keyword arguments below and DASH's options, then what
+            :class:`~lightning.fabric.strategies.DDPStrategy` (``start_method``, ``timeout``, ...) and
+            DistributedDataParallel (``find_unused_parameters``, ...) take.
+
+    Keyword Args:
+        config (DashConfig | None): DASH options as a :class:`~lightning_dash.optim.DashConfig`; its
+            fields that differ from the defaults override the values mapped from the user's optimizer.
+            Every option is also a keyword of this signature (generated from DashConfig); one that is
             not None overrides ``config`` and the mapped value.
-        factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
-        allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
-        communication_dtype: dtype of the all-gathered updates (float32 default).
-        **kwargs: passed on to :class:`~lightning.fabric.strategies.DDPStrategy` (``start_method``,
-            ``timeout``, ...) and DistributedDataParallel (``find_unused_parameters``, ...).
+        factor_decay (float | None): ``betas[1]`` of DASH (decay of the Kronecker factors).
+        allow_custom_step (bool | None): convert a subclass of a supported optimizer that overrides ``step``.
+        communication_dtype (torch.dtype | str): dtype of the all-gathered updates (float32 default).
     """
 
     @accepts_dash_options

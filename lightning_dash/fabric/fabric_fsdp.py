@@ -117,15 +117,17 @@ class DashFabricFSDPStrategy(FabricDashOptimizers, ModelParallelStrategy):
         parallelize_fn: shards (or otherwise parallelises) the model, given it and the
             device mesh, as for Fabric's ``ModelParallelStrategy``; by default the model is
             sharded as described above.
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is also a
-            keyword of this signature (generated from DashConfig). This and the keywords
+        **kwargs: the keyword arguments below and DASH's options, then what Fabric's
+            ``ModelParallelStrategy`` takes (``save_distributed_checkpoint``, ``process_group_backend``,
+            ``timeout``); ``tensor_parallel_size`` (default 1) needs a ``parallelize_fn`` that applies
+            tensor parallelism, and ``data_parallel_size`` defaults to the rest of the world size.
+
+    Keyword Args:
+        config (DashConfig | None): DASH options as a :class:`~lightning_dash.optim.DashConfig`; every
+            option is also a keyword of this signature (generated from DashConfig). This and the keywords
             ``factor_decay``, ``allow_custom_step``, ``communication_dtype``, ``micro_group_mib``,
             ``shard_modules`` and ``start_method`` mean what they mean for Lightning's
             :class:`~lightning_dash.strategies.DashFSDPStrategy`.
-        **kwargs: passed on to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
-            ``process_group_backend``, ``timeout``); ``tensor_parallel_size`` (default 1) needs a
-            ``parallelize_fn`` that applies tensor parallelism, and ``data_parallel_size`` defaults
-            to the rest of the world size.
     """
 
     @accepts_dash_options

@@ -57,16 +57,6 @@ class DashStrategy(DDPStrategy):
     the updates. Checkpoints hold the full, world-size-independent state.
 
     Args:
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; its fields that
-            differ from the defaults override the values mapped from the user's optimizer. Every
-            option is also a keyword of this signature (generated from DashConfig); one that is
-            not None overrides ``config`` and the value mapped from the user's optimizer
-            (:mod:`lightning_dash.integration.options` states the rule). With
-            ``async_preconditioning`` each rank computes its due roots on a side CUDA stream.
-        factor_decay: ``betas[1]`` of DASH (decay of the Kronecker factors).
-        allow_custom_step: convert a subclass of a supported optimizer that overrides
-            ``step`` (its own update rule is then lost; refused by default).
-        communication_dtype: dtype of the all-gathered updates (float32 default).
         gradient_sync: ``"allreduce"`` (DDP's averaging all-reduce, counted) or ``"demo"``
             (DDP's all-reduce is switched off; DeMo exchanges the top-k DCT components of
             each rank's local momentum and the decoded mean is what DASH sees as gradient;
@@ -74,9 +64,22 @@ class DashStrategy(DDPStrategy):
         demo_topk: DeMo's DCT coefficients kept per chunk.
         demo_chunk_size: DeMo's largest chunk side.
         demo_momentum: decay of DeMo's local momentum.
-        **kwargs: passed on to :class:`~lightning.pytorch.strategies.DDPStrategy`; a sharding option
+        **kwargs: the keyword arguments below, then DASH's options, then what
+            :class:`~lightning.pytorch.strategies.DDPStrategy` takes; a sharding option
             (:data:`~lightning_dash.integration.trainer_options.SHARDING_OPTIONS`, e.g.
             ``sharding_strategy``) raises ``ValueError`` pointing to ``strategy="dash_fsdp"``.
+
+    Keyword Args:
+        config (DashConfig | None): DASH options as a :class:`~lightning_dash.optim.DashConfig`; its
+            fields that differ from the defaults override the values mapped from the user's optimizer.
+            Every option is also a keyword of this signature (generated from DashConfig); one that is
+            not None overrides ``config`` and the value mapped from the user's optimizer
+            (:mod:`lightning_dash.integration.options` states the rule). With
+            ``async_preconditioning`` each rank computes its due roots on a side CUDA stream.
+        factor_decay (float | None): ``betas[1]`` of DASH (decay of the Kronecker factors).
+        allow_custom_step (bool | None): convert a subclass of a supported optimizer that overrides
+            ``step`` (its own update rule is then lost; refused by default).
+        communication_dtype (torch.dtype | str): dtype of the all-gathered updates (float32 default).
     """
 
     strategy_name = "dash"

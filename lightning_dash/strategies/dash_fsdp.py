@@ -81,15 +81,6 @@ class DashFSDPStrategy(ModelParallelStrategy):
     name and block and resume at any world size, and under ``strategy="dash"`` too.
 
     Args:
-        config: DASH options as a :class:`~lightning_dash.optim.DashConfig`; every option is
-            also a keyword of this signature (generated from DashConfig), as for
-            :class:`~lightning_dash.strategies.DashStrategy`.
-        factor_decay: ``betas[1]`` of DASH.
-        allow_custom_step: convert a subclass of a supported optimizer that overrides ``step``.
-        communication_dtype: dtype of the update rows sent back to the ranks holding them.
-        micro_group_mib: memory budget per rank, in MiB, for the whole blocks a step gathers
-            at once; the blocks are exchanged and computed in micro-groups that fit it (None,
-            the default: one round, the fewest collectives).
         shard_modules: module classes that become FSDP2 units of an unchanged module
             (default: the children of every ``nn.ModuleList``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"`` or ``"fork"``.
@@ -97,7 +88,19 @@ class DashFSDPStrategy(ModelParallelStrategy):
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``, ...);
             ``tensor_parallel_size`` (default 1) needs a ``configure_model`` that applies tensor
             parallelism on ``device_mesh["tensor_parallel"]`` and ``fully_shard`` on
-            ``device_mesh["data_parallel"]`` (docs/strategies.md).
+            ``device_mesh["data_parallel"]`` (docs/strategies.md). The keyword arguments below and
+            DASH's options come first.
+
+    Keyword Args:
+        config (DashConfig | None): DASH options as a :class:`~lightning_dash.optim.DashConfig`; every
+            option is also a keyword of this signature (generated from DashConfig), as for
+            :class:`~lightning_dash.strategies.DashStrategy`.
+        factor_decay (float | None): ``betas[1]`` of DASH.
+        allow_custom_step (bool | None): convert a subclass of a supported optimizer that overrides ``step``.
+        communication_dtype (torch.dtype | str): dtype of the update rows sent back to the ranks holding them.
+        micro_group_mib (float | None): memory budget per rank, in MiB, for the whole blocks a step gathers
+            at once; the blocks are exchanged and computed in micro-groups that fit it (None, the default:
+            one round, the fewest collectives).
     """
 
     strategy_name = "dash_fsdp"

@@ -52,13 +52,16 @@ class Dash(Algorithm):
             appear in this signature, generated from DashConfig); one that is not None
             overrides ``config`` and the value mapped from the original optimizer, e.g. Adam
             grafting for ``DecoupledAdamW``
-            (:mod:`lightning_dash.integration.options` states the rule).
-        factor_decay: decay of the Kronecker factors (``betas[1]`` of DASH).
-        allow_custom_step: convert a subclass of a supported optimizer that overrides
+            (:mod:`lightning_dash.integration.options` states the rule), and the keyword arguments
+            below.
+
+    Keyword Args:
+        factor_decay (float | None): decay of the Kronecker factors (``betas[1]`` of DASH).
+        allow_custom_step (bool | None): convert a subclass of a supported optimizer that overrides
             ``step`` (its own update rule is then lost; refused by default).
-        communication_dtype: dtype of the all-gathered block updates across ranks.
-        micro_group_mib: under FSDP2, the memory budget per rank, in MiB, for the whole blocks
-            a step gathers at once (None: one round); refused under DDP.
+        communication_dtype (torch.dtype | str): dtype of the all-gathered block updates across ranks.
+        micro_group_mib (float | None): under FSDP2, the memory budget per rank, in MiB, for the whole
+            blocks a step gathers at once (None: one round); refused under DDP.
 
     Example:
         >>> from composer import Trainer

@@ -112,7 +112,8 @@ class DASH(CheckpointMethods, torch.optim.Optimizer):
             found = found_distributor(
                 [p for group in self.param_groups for p in group["params"]], self._parameter_names()
             )
-            self._keeper.distributor = found or self._keeper.distributor
+            if found is not None:
+                self._keeper.distributor = found
 
     # ------------------------------------------------------------------ options
     @property
